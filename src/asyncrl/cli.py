@@ -1,0 +1,87 @@
+"""The `asyncrl` command: one entry point, one subcommand per process or job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from asyncrl.errors import AsyncRLError
+
+USAGE = """usage: asyncrl COMMAND [@ config.toml ...] [--section.key value ...]
+
+commands:
+  rl            run inference, orchestrator and trainer together from one config
+  inference     serve the policy over HTTP (OpenAI-compatible + token routes)
+  orchestrator  generate rollouts, score them, compute advantages, write batches
+  trainer       train on rollout batches (run under torchrun for several ranks)
+  sft           supervised fine-tuning on chat data
+  model init    build a small model and byte-level tokenizer offline
+
+Config files are layered left to right ('@ a.toml @ b.toml'), then dotted flags override them
+('--trainer.optim.lr 1e-5'). 'asyncrl rl --dry-run' prints the resolved configs and starts nothing.
+"""
+
+
+def _model_init(argv: list[str]) -> None:
+    from asyncrl.models import PRESETS, init_model
+
+    parser = argparse.ArgumentParser(prog="asyncrl model init", description="Build a small Qwen3-architecture "
+                                     "model and a byte-level ChatML tokenizer, offline, in Hugging Face format.")
+    parser.add_argument("--output", type=Path, required=True, help="folder to write the model to")
+    parser.add_argument("--preset", choices=list(PRESETS), default="small", help="model size (default: small)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    count = init_model(args.output, args.preset, args.seed)
+    print(f"wrote {args.preset} model ({count / 1e6:.2f}M parameters) to {args.output}")
+
+
+def _run(command: str, argv: list[str]) -> int | None:
+    from asyncrl import config as cfg
+
+    if command == "rl":
+        from asyncrl.launcher import run_rl
+
+        config, flags = cfg.load(cfg.RLConfig, argv, frozenset({"--dry-run", "--clean"}))
+        return run_rl(config, dry_run="--dry-run" in flags, clean="--clean" in flags)
+    if command == "inference":
+        from asyncrl.inference.server import serve
+
+        return serve(cfg.load(cfg.InferenceConfig, argv)[0])
+    if command == "orchestrator":
+        from asyncrl.orchestrator.loop import run_orchestrator
+
+        return run_orchestrator(cfg.load(cfg.OrchestratorConfig, argv)[0])
+    if command == "trainer":
+        from asyncrl.trainer.rl import train
+
+        return train(cfg.load(cfg.TrainerConfig, argv)[0])
+    if command == "sft":
+        from asyncrl.trainer.sft import train_sft
+
+        return train_sft(cfg.load(cfg.SFTConfig, argv)[0])
+    if command == "model":
+        if not argv or argv[0] != "init":
+            raise AsyncRLError("usage: asyncrl model init --output DIR [--preset small]")
+        return _model_init(argv[1:])
+    raise AsyncRLError(f"unknown command '{command}'\n\n{USAGE}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return
+    command, rest = argv[0], argv[1:]
+    if rest and rest[0] in ("-h", "--help") and command != "model":
+        print(USAGE)
+        return
+    try:
+        code = _run(command, rest)
+    except AsyncRLError as e:
+        print(f"asyncrl {command}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"asyncrl {command}: interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code or 0)

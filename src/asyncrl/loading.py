@@ -1,0 +1,68 @@
+"""Load any Hugging Face causal LM and its tokenizer: a local folder (ours from `asyncrl model init`, a
+published `weights/step_N`) or a hub id already in the local cache."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from asyncrl.config.schema import ModelConfig
+from asyncrl.errors import AsyncRLError
+
+hf_logging.disable_progress_bar()
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _missing(name: str, error: Exception) -> AsyncRLError:
+    return AsyncRLError(
+        f"model '{name}' could not be loaded: {str(error).splitlines()[0] if str(error) else type(error).__name__} "
+        "(set model.name to a local model folder, e.g. one made by `asyncrl model init`, or a Hugging Face id)"
+    )
+
+
+def _check_local(name: str) -> None:
+    looks_local = (
+        name.startswith((".", "/", "~")) or name.count("/") != 1 or Path(name).exists() or Path(name).parent.is_dir()
+    )
+    if looks_local and not Path(name).expanduser().is_dir():
+        raise AsyncRLError(
+            f"model path '{name}' not found (set model.name to a local model folder, e.g. one made by "
+            "`asyncrl model init`, or a Hugging Face id)"
+        )
+
+
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    _check_local(name)
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise _missing(name, e) from None
+
+
+def load_model(config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> PreTrainedModel:
+    _check_local(config.name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            config.name,
+            dtype=dtype or DTYPES[config.dtype],
+            attn_implementation=config.attn_implementation,
+        )
+    except (OSError, ValueError) as e:
+        raise _missing(config.name, e) from None
+    return model.to(device)
+
+
+def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        device = f"cuda:{local_rank}"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise AsyncRLError(f"device '{device}' asked for, but torch sees no CUDA GPU (use device = 'cpu')")
+    return torch.device(device)

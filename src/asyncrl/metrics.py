@@ -1,0 +1,45 @@
+"""`metrics.jsonl` and `samples.jsonl`: one JSON object per line, appended by every process of a run.
+
+Each line is written with a single `write` on a file opened in append mode, so lines from the
+orchestrator and the trainer never interleave.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+class JsonlWriter:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = (json.dumps(record, default=float) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+
+class MetricsLogger(JsonlWriter):
+    """Writes `{"step", "source", "time", ...metrics}` lines to `<output_dir>/metrics.jsonl`."""
+
+    def __init__(self, output_dir: Path, source: str):
+        super().__init__(Path(output_dir) / "metrics.jsonl")
+        self.source = source
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        self.write({"step": step, "source": self.source, "time": time.time(), **metrics})
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,95 @@
+"""`asyncrl model init`: a small Qwen3-architecture model and a byte-level tokenizer, built offline.
+
+The result is an ordinary Hugging Face directory: `AutoModelForCausalLM.from_pretrained` and
+`AutoTokenizer.from_pretrained` load it, so every other part of asyncrl treats it like a hub model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+# ChatML, as Qwen models use it: every message is <|im_start|>role\ncontent<|im_end|>\n.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+
+
+PRESETS = {
+    "tiny": Preset(64, 2, 2, 1, 32, 192),  # ~0.1M parameters: unit tests
+    "small": Preset(128, 4, 4, 2, 32, 384),  # ~1M: the CPU demo
+    "medium": Preset(256, 6, 4, 2, 64, 768),  # ~5M
+    "30m": Preset(512, 10, 8, 4, 64, 1536),  # ~32M: CPU benchmarks
+}
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer: 256 byte symbols plus the ChatML special tokens, so any text round-trips."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        chat_template=CHAT_TEMPLATE,
+        padding_side="left",
+    )
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast, preset: Preset, seed: int = 0) -> Qwen3ForCausalLM:
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_layers,
+        num_attention_heads=preset.num_heads,
+        num_key_value_heads=preset.num_kv_heads,
+        head_dim=preset.head_dim,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    return model
+
+
+def init_model(output: Path, preset: str = "small", seed: int = 0) -> int:
+    """Write a fresh model + tokenizer to `output`; returns the parameter count."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset '{preset}'; choose one of: {', '.join(PRESETS)}")
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, PRESETS[preset], seed)
+    output.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output)
+    tokenizer.save_pretrained(output)
+    return sum(p.numel() for p in model.parameters())
