@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -36,6 +37,20 @@ def _model_init(argv: list[str]) -> None:
     print(f"wrote {args.preset} model ({count / 1e6:.2f}M parameters) to {args.output}")
 
 
+def _redirect_rank_output() -> None:
+    """Under `asyncrl rl`, each trainer rank writes to logs/trainer/rank_R.log instead of torchrun's stream."""
+    log_dir = os.environ.get("ASYNCRL_RANK_LOG_DIR")
+    if not log_dir:
+        return
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    fd = os.open(Path(log_dir) / f"rank_{os.environ.get('RANK', '0')}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def _run(command: str, argv: list[str]) -> int | None:
     from asyncrl import config as cfg
 
@@ -54,6 +69,8 @@ def _run(command: str, argv: list[str]) -> int | None:
         return run_orchestrator(cfg.load(cfg.OrchestratorConfig, argv)[0])
     if command == "trainer":
         from asyncrl.trainer.rl import train
+
+        _redirect_rank_output()
 
         return train(cfg.load(cfg.TrainerConfig, argv)[0])
     if command == "sft":

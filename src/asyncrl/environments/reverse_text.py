@@ -12,6 +12,7 @@ import string
 from collections.abc import Iterator
 
 from asyncrl.environments.base import Environment, Example
+from asyncrl.environments.rubric import Rubric
 
 SYSTEM_PROMPT = "Reverse the text character by character. Answer with the reversed text only."
 
@@ -25,6 +26,7 @@ class ReverseText(Environment):
         self.min_length = min_length
         self.max_length = max_length
         self.alphabet = alphabet
+        self.rubric = Rubric(rewards=[(similarity, 1.0)], metrics=[exact_match])
 
     def examples(self, seed: int) -> Iterator[Example]:
         rng = random.Random(seed)
@@ -36,6 +38,11 @@ class ReverseText(Environment):
                 answer=text[::-1],
             )
 
-    @staticmethod
-    def similarity(completion: str, answer: str) -> float:
-        return difflib.SequenceMatcher(None, completion.strip(), answer).ratio()
+
+
+def similarity(completion: str, example: Example) -> float:
+    return difflib.SequenceMatcher(None, completion.strip(), example.answer).ratio()
+
+
+def exact_match(completion: str, example: Example) -> float:
+    return float(completion.strip() == example.answer)

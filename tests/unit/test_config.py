@@ -1,0 +1,93 @@
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import ConfigError, RLConfig, TrainerConfig, load
+from asyncrl.launcher import resolve
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_toml_layers_merge_left_to_right_and_flags_win(tmp_path):
+    base = write(tmp_path / "base.toml", "max_steps = 5\n[trainer.optim]\nlr = 1e-3\nweight_decay = 0.1\n")
+    over = write(tmp_path / "over.toml", "[trainer.optim]\nlr = 2e-3\n")
+    cfg, _ = load(RLConfig, ["@", str(base), f"@{over}", "--trainer.optim.weight_decay", "0.5"])
+    assert cfg.max_steps == 5
+    assert cfg.trainer.optim.lr == 2e-3
+    assert cfg.trainer.optim.weight_decay == 0.5
+
+
+def test_flags_parse_booleans_lists_and_dashes():
+    cfg, flags = load(
+        RLConfig,
+        ["--orchestrator.std-normalize", "--trainer.optim.betas", "[0.8, 0.9]", "--dry-run"],
+        frozenset({"--dry-run"}),
+    )
+    assert cfg.orchestrator.std_normalize is True
+    assert cfg.trainer.optim.betas == (0.8, 0.9)
+    assert flags == ["--dry-run"]
+
+
+def test_flag_with_equals_sign():
+    cfg, _ = load(TrainerConfig, ["--optim.lr=3e-4"])
+    assert cfg.optim.lr == 3e-4
+
+
+def test_unknown_key_names_the_closest_valid_key():
+    with pytest.raises(ConfigError, match=r"unknown config key 'trainer.optim.lrr'; did you mean 'trainer.optim.lr'"):
+        load(RLConfig, ["--trainer.optim.lrr", "1e-5"])
+
+
+def test_unknown_key_in_a_file_is_rejected(tmp_path):
+    path = write(tmp_path / "bad.toml", "[orchestrator]\ngroup_sise = 4\n")
+    with pytest.raises(ConfigError, match="did you mean 'orchestrator.group_size'"):
+        load(RLConfig, ["@", str(path)])
+
+
+def test_wrong_type_names_the_dotted_path_and_value():
+    with pytest.raises(ConfigError, match=r"trainer\.optim\.lr: .*'fast'"):
+        load(RLConfig, ["--trainer.optim.lr", "fast"])
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load(RLConfig, ["@", str(tmp_path / "nope.toml")])
+
+
+def test_shared_keys_are_copied_into_every_section():
+    cfg, _ = load(RLConfig, ["--model.name", "m/x", "--seq-len", "512", "--max-steps", "7", "--output-dir", "out/a"])
+    for section in (cfg.inference, cfg.orchestrator, cfg.trainer):
+        assert section.model.name == "m/x"
+        assert section.seq_len == 512
+        assert str(section.output_dir) == "out/a"
+    assert cfg.orchestrator.max_steps == cfg.trainer.max_steps == 7
+
+
+def test_conflicting_shared_key_is_rejected():
+    with pytest.raises(ConfigError, match="trainer.seq_len = 1024 conflicts with seq_len = 512"):
+        load(RLConfig, ["--seq-len", "512", "--trainer.seq-len", "1024"])
+
+
+def test_section_may_choose_its_own_dtype_but_not_its_own_model():
+    cfg, _ = load(RLConfig, ["--inference.model.dtype", "bfloat16"])
+    assert cfg.inference.model.dtype == "bfloat16"
+    assert cfg.trainer.model.dtype == "float32"
+    with pytest.raises(ConfigError, match="conflicts with model.name"):
+        load(RLConfig, ["--trainer.model.name", "other"])
+
+
+def test_batch_must_hold_whole_groups():
+    with pytest.raises(ConfigError, match="multiple of group_size"):
+        load(RLConfig, ["--orchestrator.batch-size", "10", "--orchestrator.group-size", "4"])
+
+
+def test_resolve_points_orchestrator_at_inference_and_sizes_ranks():
+    cfg, _ = load(RLConfig, ["--inference.port", "0", "--deployment.trainer-ranks", "2"])
+    inference, orchestrator, trainer = resolve(cfg)
+    assert inference.port > 0
+    assert orchestrator.inference_url == f"http://127.0.0.1:{inference.port}"
+    assert orchestrator.num_trainer_ranks == 2
+    assert inference.num_threads >= 1 and trainer.num_threads >= 1
