@@ -27,8 +27,11 @@ Config files are layered left to right ('@ a.toml @ b.toml'), then dotted flags 
 def _model_init(argv: list[str]) -> None:
     from asyncrl.models import PRESETS, init_model
 
-    parser = argparse.ArgumentParser(prog="asyncrl model init", description="Build a small Qwen3-architecture "
-                                     "model and a byte-level ChatML tokenizer, offline, in Hugging Face format.")
+    parser = argparse.ArgumentParser(
+        prog="asyncrl model init",
+        description="Build a small Qwen3-architecture "
+        "model and a byte-level ChatML tokenizer, offline, in Hugging Face format.",
+    )
     parser.add_argument("--output", type=Path, required=True, help="folder to write the model to")
     parser.add_argument("--preset", choices=list(PRESETS), default="small", help="model size (default: small)")
     parser.add_argument("--seed", type=int, default=0)
@@ -43,7 +46,9 @@ def _redirect_rank_output() -> None:
     if not log_dir:
         return
     Path(log_dir).mkdir(parents=True, exist_ok=True)
-    fd = os.open(Path(log_dir) / f"rank_{os.environ.get('RANK', '0')}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(
+        Path(log_dir) / f"rank_{os.environ.get('RANK', '0')}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644
+    )
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)

@@ -79,8 +79,10 @@ def _trainer_env(dep, trainer: TrainerConfig) -> dict[str, str]:
         return {}
     ids = list(range(1, gpus))[: dep.trainer_ranks]
     if len(ids) < dep.trainer_ranks:
-        raise AsyncRLError(f"deployment.trainer_ranks = {dep.trainer_ranks} but only {len(ids)} GPUs are left for the "
-                           "trainer after inference takes one")
+        raise AsyncRLError(
+            f"deployment.trainer_ranks = {dep.trainer_ranks} but only {len(ids)} GPUs are left for the "
+            "trainer after inference takes one"
+        )
     return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
 
 
@@ -189,14 +191,26 @@ class Progress:
     def table(self) -> Table:
         orch, train = self.latest.get("orchestrator", {}), self.latest.get("trainer", {})
         table = Table(title="asyncrl rl", show_header=True)
-        for column in ("trainer step", "batch", "reward", "train tok/s", "generate tok/s", "loss", "mismatch_kl",
-                       "elapsed"):
+        for column in (
+            "trainer step",
+            "batch",
+            "reward",
+            "train tok/s",
+            "generate tok/s",
+            "loss",
+            "mismatch_kl",
+            "elapsed",
+        ):
             table.add_column(column, justify="right")
         table.add_row(
-            f"{train.get('step', 0)}/{self.max_steps}", str(orch.get("step", 0)),
-            f"{orch.get('reward/mean', float('nan')):.3f}", f"{train.get('perf/tokens_per_s', 0):.0f}",
-            f"{orch.get('perf/generate_tokens_per_s', 0):.0f}", f"{train.get('loss', float('nan')):.4f}",
-            f"{train.get('mismatch_kl', float('nan')):.2e}", f"{time.time() - self.start:.0f}s",
+            f"{train.get('step', 0)}/{self.max_steps}",
+            str(orch.get("step", 0)),
+            f"{orch.get('reward/mean', float('nan')):.3f}",
+            f"{train.get('perf/tokens_per_s', 0):.0f}",
+            f"{orch.get('perf/generate_tokens_per_s', 0):.0f}",
+            f"{train.get('loss', float('nan')):.4f}",
+            f"{train.get('mismatch_kl', float('nan')):.2e}",
+            f"{time.time() - self.start:.0f}s",
         )
         return table
 
@@ -254,32 +268,62 @@ def run_rl(cfg: RLConfig, dry_run: bool = False, clean: bool = False) -> int:
         write_toml(config, paths[name])
     write_toml(cfg, output_dir / "configs" / "rl.toml")
 
-    env = {**os.environ, "ASYNCRL_ADMIN_TOKEN": os.environ.get("ASYNCRL_ADMIN_TOKEN") or secrets.token_hex(16),
-           "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "ASYNCRL_ADMIN_TOKEN": os.environ.get("ASYNCRL_ADMIN_TOKEN") or secrets.token_hex(16),
+        "PYTHONUNBUFFERED": "1",
+    }
     logs = output_dir / "logs"
     python = sys.executable
     children: list[Child] = []
     try:
-        children.append(start("inference", [python, "-m", "asyncrl", "inference", "@", str(paths["inference"])],
-                              logs / "inference.log", env))
+        children.append(
+            start(
+                "inference",
+                [python, "-m", "asyncrl", "inference", "@", str(paths["inference"])],
+                logs / "inference.log",
+                env,
+            )
+        )
         console.print(f"starting inference on {orchestrator.inference_url} (log: {logs / 'inference.log'})")
         wait_healthy(children[0], orchestrator.inference_url, cfg.deployment.startup_timeout)
-        children.append(start("orchestrator", [python, "-m", "asyncrl", "orchestrator", "@", str(paths["orchestrator"])],
-                              logs / "orchestrator.log", env))
+        children.append(
+            start(
+                "orchestrator",
+                [python, "-m", "asyncrl", "orchestrator", "@", str(paths["orchestrator"])],
+                logs / "orchestrator.log",
+                env,
+            )
+        )
         trainer_env = {**env, **_trainer_env(cfg.deployment, trainer), "ASYNCRL_RANK_LOG_DIR": str(logs / "trainer")}
-        children.append(start(
-            "trainer",
-            [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.deployment.trainer_ranks}",
-             "-m", "asyncrl", "trainer", "@", str(paths["trainer"])],
-            logs / "trainer.log", trainer_env,
-        ))
+        children.append(
+            start(
+                "trainer",
+                [
+                    python,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    f"--nproc-per-node={cfg.deployment.trainer_ranks}",
+                    "-m",
+                    "asyncrl",
+                    "trainer",
+                    "@",
+                    str(paths["trainer"]),
+                ],
+                logs / "trainer.log",
+                trainer_env,
+            )
+        )
         console.print(f"started orchestrator and {cfg.deployment.trainer_ranks} trainer rank(s); logs in {logs}")
         supervise(children, Progress(output_dir / "metrics.jsonl", cfg.max_steps))
     except ChildFailed as failed:
         child = failed.child
         stop(children)
-        console.print(f"[bold red]{child.name} exited with code {child.process.returncode}[/]; stopped the others. "
-                      "Last log lines:")
+        console.print(
+            f"[bold red]{child.name} exited with code {child.process.returncode}[/]; stopped the others. "
+            "Last log lines:"
+        )
         console.print(child.tail(), markup=False)
         return 1
     except KeyboardInterrupt:
@@ -290,6 +334,8 @@ def run_rl(cfg: RLConfig, dry_run: bool = False, clean: bool = False) -> int:
         stop(children)
         raise
     stop(children)
-    console.print(f"done: {cfg.max_steps} steps; metrics in {output_dir / 'metrics.jsonl'}, "
-                  f"final weights in {output_dir / 'weights' / f'step_{cfg.max_steps}'}")
+    console.print(
+        f"done: {cfg.max_steps} steps; metrics in {output_dir / 'metrics.jsonl'}, "
+        f"final weights in {output_dir / 'weights' / f'step_{cfg.max_steps}'}"
+    )
     return 0

@@ -45,7 +45,9 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
         raise _missing(name, e) from None
 
 
-def load_model(config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> PreTrainedModel:
+def load_model(
+    config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> PreTrainedModel:
     _check_local(config.name)
     try:
         model = AutoModelForCausalLM.from_pretrained(

@@ -77,9 +77,7 @@ def build_model(tokenizer: PreTrainedTokenizerFast, preset: Preset, seed: int = 
     )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     return model
 
 

@@ -91,3 +91,10 @@ def test_resolve_points_orchestrator_at_inference_and_sizes_ranks():
     assert orchestrator.inference_url == f"http://127.0.0.1:{inference.port}"
     assert orchestrator.num_trainer_ranks == 2
     assert inference.num_threads >= 1 and trainer.num_threads >= 1
+
+
+def test_config_reference_in_docs_is_up_to_date():
+    from asyncrl.config.reference import render
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+    assert docs.read_text() == render(), "run: python -m asyncrl.config.reference > docs/config.md"

@@ -42,7 +42,7 @@ def test_pack_loses_no_token_and_respects_seq_len():
     for mb in micro_batches:
         offset = 0
         for length in mb.sample_lengths.tolist():
-            rebuilt.append(tuple(mb.input_ids[offset:offset + length].tolist()))
+            rebuilt.append(tuple(mb.input_ids[offset : offset + length].tolist()))
             offset += length
     real = [r for r in rebuilt if len(r) > 1]
     assert sorted(real) == sorted(tuple(s.input_ids) for s in samples)

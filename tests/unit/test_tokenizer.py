@@ -32,4 +32,4 @@ def test_chat_template_is_chatml_and_extends_the_prompt(tmp_path):
         [*messages, {"role": "assistant", "content": "cba"}], tokenize=True, return_dict=False
     )
     assert full_ids[: len(prompt_ids)] == prompt_ids
-    assert tokenizer.decode(full_ids[len(prompt_ids):]) == "cba<|im_end|>\n"
+    assert tokenizer.decode(full_ids[len(prompt_ids) :]) == "cba<|im_end|>\n"

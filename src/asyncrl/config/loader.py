@@ -179,7 +179,8 @@ def share_rl_keys(raw: dict[str, Any]) -> dict[str, Any]:
                 value = raw.get(key, defaults[key])
                 if key in sec and str(sec[key]) != str(value):
                     raise ConfigError(
-                        f"{section}.{key} = {sec[key]!r} conflicts with {key} = {value!r}; set it once, at the top level"
+                        f"{section}.{key} = {sec[key]!r} conflicts with {key} = {value!r}"
+                        "; set it once, at the top level"
                     )
                 sec[key] = value
     return raw

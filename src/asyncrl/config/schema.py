@@ -17,27 +17,29 @@ class Config(BaseModel):
 
 class ModelConfig(Config):
     name: str = Field("models/tiny", description="Hugging Face hub id or local directory")
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="compute dtype (the trainer keeps fp32 master weights)"
+    )
+    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="transformers attention kernel")
 
 
 class SamplingConfig(Config):
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_tokens: int = Field(64, ge=1)
+    temperature: float = Field(1.0, gt=0, description="sampling temperature; logprobs are taken at it")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    max_tokens: int = Field(64, ge=1, description="most tokens sampled per turn")
 
 
 class EnvironmentConfig(Config):
-    name: str = "reverse_text"
+    name: str = Field("reverse_text", description="built-in environment name")
     args: dict = Field(default_factory=dict, description="keyword arguments of the environment")
 
 
 class OptimConfig(Config):
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float = Field(1.0, gt=0)
-    warmup_steps: int = Field(0, ge=0)
+    lr: float = Field(1e-5, gt=0, description="AdamW peak learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradients are clipped to this global norm")
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up from 0 to lr over these steps, then constant")
 
 
 class LossConfig(Config):
@@ -49,11 +51,11 @@ class LossConfig(Config):
 class InferenceConfig(Config):
     model: ModelConfig = ModelConfig()
     seq_len: int = Field(2048, ge=8, description="longest prompt + completion the server accepts")
-    seed: int = 0
-    output_dir: Path = Path("outputs/run")
-    backend: Literal["native"] = "native"
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    seed: int = Field(0, description="seed of data order and sampling")
+    output_dir: Path = Field(Path("outputs/run"), description="the run folder (see README: a run on disk)")
+    backend: Literal["native"] = Field("native", description="the embedded engine (vLLM comes later)")
+    host: str = Field("127.0.0.1", description="address to bind; loopback by default")
+    port: int = Field(8000, ge=0, le=65535, description="port to bind; 0 under `asyncrl rl` picks a free one")
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
     max_batch_size: int = Field(256, ge=1, description="sequences decoded together")
     num_threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
@@ -65,10 +67,10 @@ class InferenceConfig(Config):
 class OrchestratorConfig(Config):
     model: ModelConfig = ModelConfig()
     seq_len: int = Field(2048, ge=8, description="tokens in one packed micro-batch row")
-    max_steps: int = Field(20, ge=1)
-    seed: int = 0
-    output_dir: Path = Path("outputs/run")
-    inference_url: str = "http://127.0.0.1:8000"
+    max_steps: int = Field(20, ge=1, description="training steps (batches)")
+    seed: int = Field(0, description="seed of data order and sampling")
+    output_dir: Path = Field(Path("outputs/run"), description="the run folder (see README: a run on disk)")
+    inference_url: str = Field("http://127.0.0.1:8000", description="the inference server (set by `asyncrl rl`)")
     environment: EnvironmentConfig = EnvironmentConfig()
     sampling: SamplingConfig = SamplingConfig()
     batch_size: int = Field(64, ge=1, description="rollouts per training step")
@@ -76,7 +78,7 @@ class OrchestratorConfig(Config):
     std_normalize: bool = Field(False, description="divide advantages by the group's reward std")
     max_async_level: int = Field(1, ge=0, description="batch n uses policy versions >= n - 1 - max_async_level")
     max_concurrency: int = Field(64, ge=1, description="groups in flight on the inference server")
-    num_trainer_ranks: int = Field(1, ge=1)
+    num_trainer_ranks: int = Field(1, ge=1, description="batch files per step (set by `asyncrl rl`)")
     samples_per_step: int = Field(4, ge=0, description="decoded rollouts written to samples.jsonl each step")
     request_timeout: float = Field(600.0, gt=0, description="seconds for one generate request")
     wait_timeout: float = Field(900.0, gt=0, description="seconds to wait for the inference server or new weights")
@@ -85,18 +87,16 @@ class OrchestratorConfig(Config):
     @model_validator(mode="after")
     def _groups_fill_batch(self) -> OrchestratorConfig:
         if self.batch_size % self.group_size:
-            raise ValueError(
-                f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size})"
-            )
+            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size})")
         return self
 
 
 class TrainerConfig(Config):
     model: ModelConfig = ModelConfig()
-    seq_len: int = Field(2048, ge=8)
-    max_steps: int = Field(20, ge=1)
-    seed: int = 0
-    output_dir: Path = Path("outputs/run")
+    seq_len: int = Field(2048, ge=8, description="tokens in one packed row")
+    max_steps: int = Field(20, ge=1, description="training steps (batches)")
+    seed: int = Field(0, description="seed of data order and sampling")
+    output_dir: Path = Field(Path("outputs/run"), description="the run folder (see README: a run on disk)")
     optim: OptimConfig = OptimConfig()
     loss: LossConfig = LossConfig()
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda' (each rank takes cuda:LOCAL_RANK)")
@@ -108,21 +108,20 @@ class TrainerConfig(Config):
 
 class SFTDataConfig(Config):
     environment: EnvironmentConfig = EnvironmentConfig()
-    num_examples: int = Field(10000, ge=1)
     batch_size: int = Field(64, ge=1, description="examples per optimizer step")
 
 
 class SFTConfig(Config):
     model: ModelConfig = ModelConfig()
-    seq_len: int = Field(2048, ge=8)
-    max_steps: int = Field(100, ge=1)
-    seed: int = 0
-    output_dir: Path = Path("outputs/sft")
+    seq_len: int = Field(2048, ge=8, description="tokens in one packed row")
+    max_steps: int = Field(100, ge=1, description="optimizer steps")
+    seed: int = Field(0, description="seed of data order and sampling")
+    output_dir: Path = Field(Path("outputs/sft"), description="metrics.jsonl and the final model (final/)")
     optim: OptimConfig = OptimConfig(lr=2e-3, warmup_steps=10)
     data: SFTDataConfig = SFTDataConfig()
-    device: str = "auto"
-    num_threads: int = Field(0, ge=0)
-    log_interval: int = Field(10, ge=1)
+    device: str = Field("auto", description="'auto', 'cpu' or 'cuda'")
+    num_threads: int = Field(0, ge=0, description="torch CPU threads per rank; 0 keeps torch's default")
+    log_interval: int = Field(10, ge=1, description="steps between metric lines")
 
 
 class DeploymentConfig(Config):
@@ -142,10 +141,10 @@ class RLConfig(Config):
     """
 
     model: ModelConfig = ModelConfig()
-    seq_len: int = 2048
-    max_steps: int = 20
-    seed: int = 0
-    output_dir: Path = Path("outputs/run")
+    seq_len: int = Field(2048, ge=8, description="tokens in one packed row; longest prompt + completion")
+    max_steps: int = Field(20, ge=1, description="training steps")
+    seed: int = Field(0, description="seed of data order and sampling")
+    output_dir: Path = Field(Path("outputs/run"), description="the run folder (see README: a run on disk)")
     deployment: DeploymentConfig = DeploymentConfig()
     inference: InferenceConfig = InferenceConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()

@@ -39,7 +39,6 @@ class ReverseText(Environment):
             )
 
 
-
 def similarity(completion: str, example: Example) -> float:
     return difflib.SequenceMatcher(None, completion.strip(), example.answer).ratio()
 

@@ -75,7 +75,10 @@ def to_samples(groups: list[list[Rollout]], cfg: OrchestratorConfig, stats: dict
         for rollout, advantage in zip(scored, advantages):
             samples.append(
                 Sample(
-                    rollout.input_ids, rollout.loss_mask, advantage, rollout.inference_logprobs,
+                    rollout.input_ids,
+                    rollout.loss_mask,
+                    advantage,
+                    rollout.inference_logprobs,
                     cfg.sampling.temperature,
                 )
             )
@@ -120,32 +123,43 @@ async def orchestrate(cfg: OrchestratorConfig) -> None:
             rewards = [r.reward for r in rollouts if r.error is None] or [0.0]
             lags = [(step - 1) - r.min_policy_version for r in rollouts]
             completion_tokens = sum(r.num_completion_tokens for r in rollouts)
-            metrics.log(step, {
-                "reward/mean": statistics.fmean(rewards),
-                "reward/std": statistics.pstdev(rewards),
-                **{f"reward/{k}": statistics.fmean(r.metrics.get(k, 0.0) for r in rollouts)
-                   for k in rollouts[0].metrics},
-                "seq_len/mean": statistics.fmean(len(r.input_ids) for r in rollouts),
-                "completion_len/mean": completion_tokens / len(rollouts),
-                "off_policy/mean": statistics.fmean(lags),
-                "off_policy/max": max(lags),
-                "off_policy/dropped": dropped,
-                "rollouts/errored": stats["errored"],
-                "batch/zero_advantage_groups": stats["zero_advantage_groups"],
-                "batch/samples": len(samples),
-                "policy_version": served_version,
-                "perf/generate_tokens_per_s": completion_tokens / max(generate_end - generate_start, 1e-9),
-                "time/step": time.time() - step_start,
-                "time/generate": generate_end - generate_start,
-                "time/wait_for_weights": waited,
-                "timestamp/generate_start": generate_start,
-                "timestamp/generate_end": generate_end,
-            })
+            metrics.log(
+                step,
+                {
+                    "reward/mean": statistics.fmean(rewards),
+                    "reward/std": statistics.pstdev(rewards),
+                    **{
+                        f"reward/{k}": statistics.fmean(r.metrics.get(k, 0.0) for r in rollouts)
+                        for k in rollouts[0].metrics
+                    },
+                    "seq_len/mean": statistics.fmean(len(r.input_ids) for r in rollouts),
+                    "completion_len/mean": completion_tokens / len(rollouts),
+                    "off_policy/mean": statistics.fmean(lags),
+                    "off_policy/max": max(lags),
+                    "off_policy/dropped": dropped,
+                    "rollouts/errored": stats["errored"],
+                    "batch/zero_advantage_groups": stats["zero_advantage_groups"],
+                    "batch/samples": len(samples),
+                    "policy_version": served_version,
+                    "perf/generate_tokens_per_s": completion_tokens / max(generate_end - generate_start, 1e-9),
+                    "time/step": time.time() - step_start,
+                    "time/generate": generate_end - generate_start,
+                    "time/wait_for_weights": waited,
+                    "timestamp/generate_start": generate_start,
+                    "timestamp/generate_end": generate_end,
+                },
+            )
             for r in rollouts[: cfg.samples_per_step]:
-                samples_log.write({
-                    "step": step, "prompt": r.example.prompt[-1]["content"], "completion": r.completion_text,
-                    "answer": r.example.answer, "reward": r.reward, "error": r.error,
-                })
+                samples_log.write(
+                    {
+                        "step": step,
+                        "prompt": r.example.prompt[-1]["content"],
+                        "completion": r.completion_text,
+                        "answer": r.example.answer,
+                        "reward": r.reward,
+                        "error": r.error,
+                    }
+                )
             print(
                 f"orchestrator: step {step} reward {statistics.fmean(rewards):.3f} "
                 f"generated {completion_tokens} tokens in {generate_end - generate_start:.2f}s "

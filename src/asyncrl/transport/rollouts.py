@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -79,6 +78,3 @@ def latest_written_step(output_dir: Path) -> int:
     root = Path(output_dir) / "rollouts"
     steps = [int(p.name.split("_")[1]) for p in root.glob("step_*") if p.name.split("_")[1].isdigit()]
     return max(steps, default=0)
-
-
-

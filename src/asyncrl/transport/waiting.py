@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from asyncrl.errors import AsyncRLError
-from collections.abc import Callable
 
 
 class PeerTimeout(AsyncRLError):

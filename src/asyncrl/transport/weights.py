@@ -17,8 +17,13 @@ from safetensors.torch import load_file, save_file
 WEIGHTS_FILE = "model.safetensors"
 MARKER = "STABLE"
 # Files copied next to the weights so that a weights folder is a complete, loadable model.
-_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-               "generation_config.json")
+_SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 def weights_dir(output_dir: Path, version: int) -> Path:

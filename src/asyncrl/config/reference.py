@@ -1,0 +1,54 @@
+"""Render docs/config.md from the config models, so the reference never drifts from the code.
+
+python -m asyncrl.config.reference > docs/config.md
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from asyncrl.config.loader import _submodel
+from asyncrl.config.schema import InferenceConfig, OrchestratorConfig, RLConfig, SFTConfig, TrainerConfig
+
+COMMANDS = [
+    ("asyncrl rl", RLConfig),
+    ("asyncrl inference", InferenceConfig),
+    ("asyncrl orchestrator", OrchestratorConfig),
+    ("asyncrl trainer", TrainerConfig),
+    ("asyncrl sft", SFTConfig),
+]
+
+
+def _rows(model: type[BaseModel], prefix: str = "") -> list[str]:
+    rows = []
+    for name, field in model.model_fields.items():
+        sub = _submodel(field.annotation)
+        if (
+            sub is not None
+            and prefix.count(".") < 1
+            and model is RLConfig
+            and name in ("inference", "orchestrator", "trainer")
+        ):
+            rows.append(f"| `{prefix}{name}.*` | | the `asyncrl {name}` keys below |")
+        elif sub is not None:
+            rows.extend(_rows(sub, f"{prefix}{name}."))
+        else:
+            default = field.get_default(call_default_factory=True)
+            rows.append(f"| `{prefix}{name}` | `{default!s}` | {field.description or ''} |")
+    return rows
+
+
+def render() -> str:
+    parts = [
+        "# Configuration reference",
+        "",
+        "Generated from `src/asyncrl/config/schema.py` by `python -m asyncrl.config.reference`; a test keeps it",
+        "in sync. Set keys in TOML files (`@ file.toml`) or as flags (`--section.key value`).",
+    ]
+    for command, model in COMMANDS:
+        parts += ["", f"## `{command}`", "", "| key | default | meaning |", "|---|---|---|", *_rows(model)]
+    return "\n".join(parts) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")
