@@ -25,6 +25,7 @@ from rich.table import Table
 
 from asyncrl.config import InferenceConfig, OrchestratorConfig, RLConfig, TrainerConfig, to_toml, write_toml
 from asyncrl.errors import AsyncRLError
+from asyncrl.loading import check_model_name
 from asyncrl.metrics import read_jsonl
 
 console = Console(stderr=False, highlight=False)
@@ -261,6 +262,7 @@ def run_rl(cfg: RLConfig, dry_run: bool = False, clean: bool = False) -> int:
         console.print(f"(dry run: configs written to {output_dir / 'configs'}; nothing started)")
         return 0
 
+    check_model_name(cfg.model.name)
     prepare_output_dir(output_dir, clean)
     paths = {}
     for name, config in configs.items():

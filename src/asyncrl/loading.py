@@ -26,7 +26,7 @@ def _missing(name: str, error: Exception) -> AsyncRLError:
     )
 
 
-def _check_local(name: str) -> None:
+def check_model_name(name: str) -> None:
     looks_local = (
         name.startswith((".", "/", "~")) or name.count("/") != 1 or Path(name).exists() or Path(name).parent.is_dir()
     )
@@ -38,7 +38,7 @@ def _check_local(name: str) -> None:
 
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
-    _check_local(name)
+    check_model_name(name)
     try:
         return AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as e:
@@ -48,7 +48,7 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
 def load_model(
     config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
 ) -> PreTrainedModel:
-    _check_local(config.name)
+    check_model_name(config.name)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             config.name,

@@ -65,3 +65,10 @@ def test_weighted_rewards_and_unweighted_metrics():
     score = asyncio.run(Rubric([(a, 0.5), (b, 2.0)], metrics=[length]).score("abc", Example(prompt=[], answer="")))
     assert score.reward == pytest.approx(1.5)
     assert score.metrics == {"a": 1.0, "b": 0.5, "length": 3.0}
+
+
+def test_environment_by_import_path():
+    env = load_environment("asyncrl.environments.reverse_text:ReverseText", min_length=2, max_length=2)
+    assert len(next(env.examples(0)).answer) == 2
+    with pytest.raises(AsyncRLError, match="could not be imported"):
+        load_environment("no_such_module:Env")

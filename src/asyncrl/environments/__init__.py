@@ -2,20 +2,40 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from asyncrl.environments.base import Environment, Example
 from asyncrl.errors import AsyncRLError
 
 
-def load_environment(name: str, **args: Any) -> Environment:
+def _builtin() -> dict[str, type[Environment]]:
     from asyncrl.environments.reverse_text import ReverseText
 
-    registry = {"reverse_text": ReverseText}
-    if name not in registry:
-        raise AsyncRLError(f"unknown environment '{name}'; built in: {', '.join(registry)}")
+    return {"reverse_text": ReverseText}
+
+
+def _import(path: str) -> type[Environment]:
+    module_name, _, attr = path.partition(":")
     try:
-        return registry[name](**args)
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise AsyncRLError(f"environment '{path}' could not be imported: {e}") from None
+
+
+def load_environment(name: str, **args: Any) -> Environment:
+    """A built-in environment by name, or your own class by import path (`my_package.envs:Uppercase`)."""
+    builtin = _builtin()
+    if ":" in name:
+        cls = _import(name)
+    elif name in builtin:
+        cls = builtin[name]
+    else:
+        raise AsyncRLError(
+            f"unknown environment '{name}'; built in: {', '.join(builtin)} (or give an import path 'module:Class')"
+        )
+    try:
+        return cls(**args)
     except TypeError as e:
         raise AsyncRLError(f"environment '{name}': bad arguments in environment.args: {e}") from None
 
