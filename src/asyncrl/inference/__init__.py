@@ -1,0 +1,1 @@
+"""The inference server: `engine` holds the policy and samples tokens, `server` speaks HTTP."""

@@ -1,0 +1,304 @@
+"""`asyncrl inference` as a real process on a tiny model, driven over HTTP and by the official openai client."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from asyncrl.models import init_model
+from asyncrl.transport.weights import publish
+
+pytestmark = pytest.mark.integration
+
+ADMIN_TOKEN = "test-admin-token"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+SEQ_LEN = 256
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def inference_command(model_dir, port: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "inference",
+        "--model.name",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--seq-len",
+        str(SEQ_LEN),
+        "--num-threads",
+        "1",
+    ]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("inference") / "tiny"
+    init_model(path, "tiny", seed=0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def server(model_dir, tmp_path_factory):
+    port = free_port()
+    log = (tmp_path_factory.mktemp("logs") / "inference.log").open("w")
+    env = {**os.environ, "ASYNCRL_ADMIN_TOKEN": ADMIN_TOKEN}
+    process = subprocess.Popen(inference_command(model_dir, port), stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        if process.poll() is not None:
+            pytest.fail(f"inference server exited with {process.returncode}; see {log.name}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"inference server not healthy after 60s; see {log.name}")
+        time.sleep(0.1)
+    yield url
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    log.close()
+
+
+@pytest.fixture(scope="session")
+def http(server):
+    with httpx.Client(base_url=server, timeout=30) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="x")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def generate(http: httpx.Client, **body) -> dict:
+    response = http.post("/v1/generate", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def teacher_forced_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+# ---- token route ----
+
+
+def test_generate_logprobs_match_teacher_forcing(http, model_dir):
+    prompt = [257, 84, 82, 68, 81, 198, 71, 72]
+    result = generate(http, prompt_ids=prompt, n=2, temperature=0.8, top_k=30, max_tokens=16, seed=5)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert result["prompt_tokens"] == len(prompt) and len(result["choices"]) == 2
+    for choice in result["choices"]:
+        expected = teacher_forced_logprobs(model, prompt, choice["token_ids"], 0.8)
+        assert torch.allclose(torch.tensor(choice["logprobs"]), expected, atol=1e-4)
+        assert len(choice["policy_versions"]) == len(choice["token_ids"])
+
+
+def test_generate_with_a_seed_is_reproducible(http):
+    first = generate(http, prompt_ids=[1, 2, 3], n=2, max_tokens=12, seed=7)
+    second = generate(http, prompt_ids=[1, 2, 3], n=2, max_tokens=12, seed=7)
+    assert first == second
+    assert first["choices"][0]["token_ids"] != first["choices"][1]["token_ids"]
+
+
+def test_generate_stops_at_max_tokens_with_length(http):
+    [choice] = generate(http, prompt_ids=[10, 11], max_tokens=5, temperature=0.0)["choices"]
+    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 5
+
+
+def test_a_prompt_longer_than_seq_len_is_a_400(http, client):
+    response = http.post("/v1/generate", json={"prompt_ids": [1] * SEQ_LEN, "max_tokens": 1})
+    assert response.status_code == 400
+    assert "seq_len" in response.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="seq_len"):
+        client.completions.create(model="tiny", prompt="x" * SEQ_LEN, max_tokens=1)
+
+
+def test_a_misspelled_field_is_a_400(http):
+    response = http.post("/v1/generate", json={"prompt_ids": [1], "max_token": 3})
+    assert response.status_code == 400 and "max_token" in response.json()["error"]["message"]
+
+
+# ---- OpenAI-compatible routes ----
+
+
+def test_chat_completions_with_the_openai_client(client, tokenizer):
+    messages = [{"role": "user", "content": "reverse: abc"}]
+    response = client.chat.completions.create(
+        model="tiny", messages=messages, n=3, max_tokens=8, logprobs=True, top_logprobs=2, seed=1
+    )
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert len(response.choices) == 3
+    assert response.usage.prompt_tokens == len(prompt)
+    assert 3 <= response.usage.completion_tokens <= 24
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+    for choice in response.choices:
+        assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+        assert 0 < len(choice.logprobs.content) <= 8
+        for entry in choice.logprobs.content:
+            assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+            assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+
+
+def test_chat_stop_string_cuts_the_text(client):
+    request = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=24, seed=3)
+    free = client.chat.completions.create(**request).choices[0].message.content
+    stop = next(ch for ch in free[1:] if ch.isascii() and ch.isprintable())
+    stopped = client.chat.completions.create(**request, stop=[stop]).choices[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.message.content == free[: free.index(stop)]
+
+
+def test_completions_with_the_openai_client(client):
+    response = client.completions.create(model="tiny", prompt="hello", n=2, max_tokens=5, logprobs=2, seed=0)
+    assert len(response.choices) == 2 and response.usage.prompt_tokens == 5
+    for choice in response.choices:
+        assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs) <= 5
+        assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
+    assert response.usage.completion_tokens <= 10
+
+
+def test_completions_stop_string_cuts_the_text(client):
+    request = dict(model="tiny", prompt="hello", max_tokens=24, seed=4)
+    free = client.completions.create(**request).choices[0].text
+    stop = next(ch for ch in free[1:] if ch.isascii() and ch.isprintable())
+    stopped = client.completions.create(**request, stop=stop).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.text == free[: free.index(stop)]
+
+
+def test_streaming_is_refused_clearly(client):
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], stream=True)
+
+
+# ---- status ----
+
+
+def test_health_and_metrics(http):
+    health = http.get("/health").json()
+    assert health["ready"] is True and health["model"].endswith("tiny")
+    generate(http, prompt_ids=[1], max_tokens=3, temperature=0.0)
+    metrics = dict(line.split() for line in http.get("/metrics").text.splitlines() if line and not line.startswith("#"))
+    assert float(metrics["asyncrl_inference_generated_tokens_total"]) >= 3
+    assert metrics["asyncrl_inference_policy_version"] == str(health["policy_version"])
+    assert {"asyncrl_inference_running_sequences", "asyncrl_inference_waiting_sequences"} <= metrics.keys()
+
+
+# ---- admin ----
+
+
+def test_admin_routes_need_the_token(http):
+    assert http.post("/admin/pause").status_code == 401
+    response = http.post("/admin/pause", headers={"Authorization": "Bearer wrong"})
+    assert response.status_code == 401 and "token" in response.json()["error"]["message"]
+
+
+def test_admin_routes_are_disabled_without_a_token(model_dir, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from asyncrl.config.schema import InferenceConfig
+    from asyncrl.inference.engine import Engine
+    from asyncrl.inference.server import create_app
+
+    monkeypatch.delenv("ASYNCRL_ADMIN_TOKEN", raising=False)
+    cfg = InferenceConfig(model={"name": str(model_dir)})
+    engine = Engine(cfg)
+    try:
+        response = TestClient(create_app(engine, cfg)).post("/admin/pause", headers=ADMIN)
+    finally:
+        engine.stop()
+    assert response.status_code == 403
+    assert "ASYNCRL_ADMIN_TOKEN" in response.json()["error"]["message"]
+
+
+def test_paused_requests_wait_and_finish_after_resume(http):
+    assert http.post("/admin/pause", headers=ADMIN).json()["paused"] is True
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(generate, http, prompt_ids=[1, 2], max_tokens=4)
+            time.sleep(0.5)
+            assert not pending.done()
+            assert "asyncrl_inference_waiting_sequences 1" in http.get("/metrics").text
+            assert http.post("/admin/resume", headers=ADMIN).status_code == 200
+            assert len(pending.result(timeout=30)["choices"][0]["token_ids"]) >= 1
+    finally:
+        http.post("/admin/resume", headers=ADMIN)
+
+
+def test_update_weights_makes_a_new_policy_version_live(http, model_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    folder = publish(tmp_path, 1, model.state_dict(), model.config, model_dir)
+    response = http.post("/admin/update_weights", headers=ADMIN, json={"path": str(folder), "version": 1})
+    try:
+        assert response.status_code == 200 and response.json() == {"policy_version": 1}
+        assert http.get("/health").json()["policy_version"] == 1
+        prompt = [5, 6, 7]
+        [choice] = generate(http, prompt_ids=prompt, max_tokens=8, temperature=0.9, seed=0)["choices"]
+        assert set(choice["policy_versions"]) == {1}
+        expected = teacher_forced_logprobs(model, prompt, choice["token_ids"], 0.9)
+        assert torch.allclose(torch.tensor(choice["logprobs"]), expected, atol=1e-4)
+    finally:  # later tests expect the base weights
+        model.load_state_dict(base)
+        restored = publish(tmp_path, 2, model.state_dict(), model.config, model_dir)
+        http.post("/admin/update_weights", headers=ADMIN, json={"path": str(restored), "version": 2})
+
+
+def test_update_weights_from_a_missing_folder_is_refused_and_serving_goes_on(http, tmp_path):
+    version = http.get("/health").json()["policy_version"]
+    missing = tmp_path / "weights" / "step_9"
+    response = http.post("/admin/update_weights", headers=ADMIN, json={"path": str(missing), "version": 9})
+    assert response.status_code == 400
+    assert str(missing) in response.json()["error"]["message"]
+    assert http.get("/health").json()["policy_version"] == version
+    assert generate(http, prompt_ids=[1], max_tokens=2)["choices"][0]["policy_versions"] == [version] * 2
+
+
+# ---- startup ----
+
+
+def test_a_port_in_use_fails_with_one_line(model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(inference_command(model_dir, port), capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert f"port {port} on 127.0.0.1 is in use" in result.stderr.strip().splitlines()[-1]
