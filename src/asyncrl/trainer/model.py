@@ -1,0 +1,120 @@
+"""The trained model: load a Hugging Face causal LM in float32, shard it with FSDP2, optimize it, gather it back.
+
+Parallelism is applied to the plain model by `parallelize`, kept apart from loading (as in torchtitan),
+so RL, SFT and benchmarks share one code path for 1..N ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from asyncrl.config.schema import ModelConfig, OptimConfig
+from asyncrl.errors import AsyncRLError
+from asyncrl.loading import load_model
+
+
+def setup_model(model_cfg: ModelConfig, device: torch.device) -> PreTrainedModel:
+    """Master weights are always float32; `model.dtype = "bfloat16"` only sets the compute dtype (FSDP2)."""
+    model = load_model(model_cfg, device, dtype=torch.float32)
+    model.config.use_cache = False  # packed rows need it (NOTES.md), and training never reuses a cache
+    model.train()
+    return model
+
+
+def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise AsyncRLError(
+            f"{type(model).__name__} has no decoder `layers` list to shard (use a Llama/Qwen-style causal LM)"
+        )
+    return layers
+
+
+def parallelize(
+    model: PreTrainedModel, world_size: int, device: torch.device, dtype: str = "float32"
+) -> PreTrainedModel:
+    """FSDP2: shard each decoder layer, then the root (embeddings, final norm, LM head).
+
+    Gradients are summed over ranks, not averaged: every loss is already divided by the token count of
+    the global batch, so an average would shrink gradients by the number of ranks.
+    """
+    mesh = init_device_mesh(device.type, (world_size,))
+    mp_policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if dtype == "bfloat16"
+        else MixedPrecisionPolicy()
+    )
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # A plain SUM reduction (gloo has no pre-multiplied sum) divided by 1.
+            module.set_force_sum_reduction_for_comms(True)
+            module.set_gradient_divide_factor(1.0)
+    return model
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Clip to `max_norm`; returns the total norm before clipping, over the full (unsharded) gradient."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    total_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if isinstance(total_norm, DTensor):
+        total_norm = total_norm.full_tensor()  # sharded grads give a partial norm: reduce it over ranks
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
+    return float(total_norm)
+
+
+def make_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+
+
+def learning_rate(step: int, optim: OptimConfig) -> float:
+    """Linear warmup over `warmup_steps` (1-based step 1 gets lr / warmup_steps), then constant."""
+    if optim.warmup_steps == 0:
+        return optim.lr
+    return optim.lr * min(1.0, step / optim.warmup_steps)
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Gather the full state dict on CPU on rank 0 (other ranks get an empty dict). A collective: every
+    rank must call it."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_hf_model(
+    path: Path, state_dict: dict[str, torch.Tensor], model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
+) -> Path:
+    """Write a complete Hugging Face model folder (weights, config, generation config, tokenizer) atomically."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if model.config.tie_word_embeddings:
+        # Tied tensors share storage, which safetensors refuses; from_pretrained re-ties them.
+        state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
+    save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+    model.config.save_pretrained(tmp)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,153 @@
+"""`asyncrl trainer`: the RL train loop, one process per rank (torchrun), FSDP2 over the ranks.
+
+    for step n = 1, 2, ...:
+        wait for rollouts/step_n/rank_R  →  count the loss tokens of all ranks (N)
+        for each micro-batch: forward → logprobs → loss / N → backward
+        clip → AdamW step  →  publish weights/step_n (rank 0)  →  delete the rollouts  →  log
+
+The trainer is algorithm-blind: advantages, masks and inference logprobs arrive as per-token streams.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from asyncrl.config.schema import TrainerConfig
+from asyncrl.errors import AsyncRLError
+from asyncrl.metrics import MetricsLogger
+from asyncrl.trainer.distributed import World, all_reduce_sum, check_same_count, close_distributed, init_distributed
+from asyncrl.trainer.loss import rl_loss, token_logprobs
+from asyncrl.trainer.model import (
+    clip_grad_norm,
+    full_state_dict,
+    learning_rate,
+    make_optimizer,
+    parallelize,
+    set_learning_rate,
+    setup_model,
+)
+from asyncrl.transport import weights
+from asyncrl.transport.rollouts import MicroBatch, rank_file, step_dir, wait_for_batch
+
+# Per-token sums reduced over ranks, then divided by the global loss-token count N.
+TOKEN_MEANS = ("entropy", "mismatch_kl", "masked/low", "masked/high")
+
+
+def check_micro_batch(mb: MicroBatch, path: Path) -> None:
+    if bool((mb.loss_mask.bool() & (mb.position_ids == 0)).any()):
+        raise AsyncRLError(
+            f"{path}: a loss token sits at position 0 of a sample, where no logits predict it "
+            "(the orchestrator must mask the first token of every packed sample)"
+        )
+
+
+def compute_loss(
+    model: torch.nn.Module, mb: MicroBatch, total_loss_tokens: int, cfg: TrainerConfig, device: torch.device
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Forward one packed row and return its share of the step loss, plus per-token sums for metrics."""
+    mb = MicroBatch(**{name: t.to(device) for name, t in vars(mb).items()})
+    # use_cache=False: only then does transformers keep packed samples apart (NOTES.md).
+    logits = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False).logits[0]
+    logprobs, entropy = token_logprobs(logits, mb.input_ids, mb.temperature)
+    loss, sums = rl_loss(
+        logprobs,
+        mb.inference_logprobs,
+        mb.advantages,
+        mb.loss_mask,
+        total_loss_tokens,
+        cfg.loss.delta_low,
+        cfg.loss.delta_high,
+        cfg.loss.kl_tau,
+    )
+    sums["entropy"] = torch.where(mb.loss_mask.bool(), entropy, 0.0).sum()
+    return loss, sums
+
+
+def train_step(
+    model: torch.nn.Module, micro_batches: list[MicroBatch], cfg: TrainerConfig, world: World
+) -> dict[str, float]:
+    """Accumulate gradients over this rank's micro-batches; returns the step's metrics over all ranks."""
+    local = torch.tensor(
+        [sum(int(mb.loss_mask.sum()) for mb in micro_batches), sum(mb.num_tokens for mb in micro_batches)],
+        device=world.device,
+    )
+    total_loss_tokens, total_tokens = (int(v) for v in all_reduce_sum(local))
+    sums = torch.zeros(1 + len(TOKEN_MEANS), device=world.device)
+    for mb in micro_batches:
+        loss, token_sums = compute_loss(model, mb, total_loss_tokens, cfg, world.device)
+        loss.backward()
+        sums += torch.stack([loss.detach(), *(token_sums[name] for name in TOKEN_MEANS)])
+    sums = all_reduce_sum(sums).tolist()
+    metrics = {"loss": sums[0]}
+    metrics.update({name: value / max(total_loss_tokens, 1) for name, value in zip(TOKEN_MEANS, sums[1:])})
+    metrics["tokens"] = total_tokens
+    return metrics
+
+
+def publish_weights(model: torch.nn.Module, cfg: TrainerConfig, step: int, world: World) -> None:
+    state_dict = full_state_dict(model)  # collective: every rank takes part, rank 0 gets the tensors
+    if world.is_main:
+        weights.publish(cfg.output_dir, step, state_dict, model.config, cfg.model.name)
+        weights.prune(cfg.output_dir, cfg.keep_weights)
+
+
+def train(cfg: TrainerConfig) -> int:
+    world = init_distributed(cfg.device, cfg.num_threads, cfg.seed)
+    try:
+        model = parallelize(setup_model(cfg.model, world.device), world.world_size, world.device, cfg.model.dtype)
+        optimizer = make_optimizer(model, cfg.optim)
+        logger = MetricsLogger(cfg.output_dir, "trainer") if world.is_main else None
+        if world.is_main:
+            print(
+                f"trainer: {world.world_size} rank(s) on {world.device}, model {cfg.model.name}, "
+                f"steps 1..{cfg.max_steps}",
+                flush=True,
+            )
+
+        for step in range(1, cfg.max_steps + 1):
+            step_start = time.time()
+            micro_batches = wait_for_batch(cfg.output_dir, step, world.rank, cfg.wait_timeout)
+            train_start = time.time()
+            for mb in micro_batches:
+                check_micro_batch(mb, rank_file(cfg.output_dir, step, world.rank))
+            check_same_count(len(micro_batches), f"micro-batches in step {step}", world.device)
+
+            lr = set_learning_rate(optimizer, learning_rate(step, cfg.optim))
+            metrics = train_step(model, micro_batches, cfg, world)
+            grad_norm = clip_grad_norm(model, cfg.optim.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+            publish_weights(model, cfg, step, world)
+            train_end = time.time()
+            # Every rank read its file before joining the collective in publish_weights, so rank 0 may
+            # delete the whole step folder now.
+            if world.is_main and not cfg.keep_rollouts:
+                shutil.rmtree(step_dir(cfg.output_dir, step), ignore_errors=True)
+
+            if world.is_main:
+                tokens_per_s = metrics.pop("tokens") / max(train_end - train_start, 1e-9)
+                metrics.update(
+                    {
+                        "grad_norm": grad_norm,
+                        "lr": lr,
+                        "perf/tokens_per_s": tokens_per_s,
+                        "time/step": train_end - step_start,
+                        "time/wait_for_batch": train_start - step_start,
+                        "timestamp/train_start": train_start,
+                        "timestamp/train_end": train_end,
+                    }
+                )
+                logger.log(step, metrics)
+                print(
+                    f"step {step} | loss {metrics['loss']:.4f} | mismatch_kl {metrics['mismatch_kl']:.2e} | "
+                    f"{tokens_per_s:.0f} tok/s",
+                    flush=True,
+                )
+        return 0
+    finally:
+        close_distributed()

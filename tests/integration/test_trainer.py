@@ -1,0 +1,208 @@
+"""The trainer as real processes: `asyncrl trainer` under torchrun on 1 and 2 ranks, and `asyncrl sft`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncrl.metrics import read_jsonl
+from asyncrl.models import init_model
+from asyncrl.orchestrator.packing import padding_micro_batch
+from asyncrl.transport.rollouts import MicroBatch, rank_file, step_dir, write_batch
+from asyncrl.transport.weights import MARKER, load_state_dict, weights_dir
+
+pytestmark = pytest.mark.integration
+
+STEPS = 3
+ROWS = 3  # micro-batches of the global batch; with 2 ranks, rank 1 gets one row and a padding row
+VOCAB = 259
+
+
+def synthetic_row(generator: torch.Generator, seq_len: int = 48) -> MicroBatch:
+    """A packed row of three samples: a prompt (not trained on) and a sampled completion each."""
+    lengths = [16, 12, seq_len - 28]
+    input_ids = torch.randint(0, VOCAB, (seq_len,), generator=generator)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])
+    loss_mask = torch.cat([torch.arange(n) >= n // 2 for n in lengths])
+    advantages = torch.cat([torch.full((n,), float(torch.randn(1, generator=generator))) for n in lengths])
+    # Inference probabilities near the tiny model's (~1/VOCAB), and a few far above it, so that the
+    # low side of the trust region masks some tokens.
+    inference_logprobs = torch.log(torch.full((seq_len,), 1.0 / VOCAB)) + 0.1 * torch.randn(
+        seq_len, generator=generator
+    )
+    inference_logprobs[::7] = -0.7
+    return MicroBatch(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        loss_mask=loss_mask,
+        advantages=advantages * loss_mask,
+        inference_logprobs=inference_logprobs * loss_mask,
+        temperature=torch.full((seq_len,), 0.8),
+        sample_lengths=torch.tensor(lengths),
+    )
+
+
+def write_rollouts(output_dir: Path, world_size: int) -> None:
+    for step in range(1, STEPS + 1):
+        generator = torch.Generator().manual_seed(step)
+        rows = [synthetic_row(generator) for _ in range(ROWS)]
+        shares = [rows] if world_size == 1 else [rows[:2], [rows[2], padding_micro_batch(0)]]
+        for rank, share in enumerate(shares):
+            write_batch(rank_file(output_dir, step, rank), share)
+
+
+def run_asyncrl(args: list[str], nproc: int | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, *launcher, "-m", "asyncrl", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+    assert result.returncode == 0, f"asyncrl {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "tiny"
+    init_model(path, "tiny")
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_model) -> dict[int, Path]:
+    """The same three global batches trained on 1 rank and on 2 ranks."""
+    runs = {}
+    for world_size in (1, 2):
+        output_dir = tmp_path_factory.mktemp(f"world{world_size}")
+        write_rollouts(output_dir, world_size)
+        run_asyncrl(
+            [
+                "trainer",
+                "--model.name",
+                str(tiny_model),
+                "--output-dir",
+                str(output_dir),
+                "--max-steps",
+                str(STEPS),
+                "--optim.lr",
+                "1e-3",
+                "--num-threads",
+                "1",
+                "--keep-weights",
+                "2",
+                "--wait-timeout",
+                "60",
+            ],
+            nproc=world_size,
+        )
+        runs[world_size] = output_dir
+    return runs
+
+
+def trainer_metrics(output_dir: Path) -> list[dict]:
+    return [m for m in read_jsonl(output_dir / "metrics.jsonl") if m["source"] == "trainer"]
+
+
+def test_one_and_two_ranks_log_the_same_losses(trained):
+    one, two = trainer_metrics(trained[1]), trainer_metrics(trained[2])
+    assert [m["step"] for m in one] == [m["step"] for m in two] == [1, 2, 3]
+    for a, b in zip(one, two):
+        for name in ("loss", "entropy", "mismatch_kl", "masked/low", "masked/high", "grad_norm"):
+            assert a[name] == pytest.approx(b[name], rel=1e-4, abs=1e-6), (a["step"], name)
+    assert one[0]["masked/low"] > 0  # the synthetic batch does exercise the trust region
+    assert one[0]["lr"] == pytest.approx(1e-3)
+
+
+def test_one_and_two_ranks_publish_the_same_weights(trained):
+    one = load_state_dict(weights_dir(trained[1], STEPS))
+    two = load_state_dict(weights_dir(trained[2], STEPS))
+    assert one.keys() == two.keys()
+    for name in one:
+        torch.testing.assert_close(one[name], two[name], rtol=0, atol=1e-4, msg=name)
+
+
+def test_weights_change_and_load_with_from_pretrained(trained, tiny_model):
+    published = weights_dir(trained[2], STEPS)
+    assert (published / MARKER).exists()
+    model = AutoModelForCausalLM.from_pretrained(published)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    changed = [not torch.equal(p, q) for p, q in zip(model.parameters(), base.parameters())]
+    assert all(changed)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_trainer_keeps_newest_weights_and_deletes_consumed_rollouts(trained):
+    for output_dir in trained.values():
+        assert sorted(p.name for p in (output_dir / "weights").iterdir()) == ["step_2", "step_3"]
+        assert not any(step_dir(output_dir, step).exists() for step in range(1, STEPS + 1))
+
+
+def test_trainer_logs_timestamps_of_compute(trained):
+    for m in trainer_metrics(trained[2]):
+        assert m["timestamp/train_start"] <= m["timestamp/train_end"]
+        assert m["time/wait_for_batch"] >= 0 and m["time/step"] > 0 and m["perf/tokens_per_s"] > 0
+
+
+def test_trainer_names_the_missing_rollout_file(tmp_path, tiny_model):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl",
+            "trainer",
+            "--model.name",
+            str(tiny_model),
+            "--output-dir",
+            str(tmp_path),
+            "--max-steps",
+            "1",
+            "--wait-timeout",
+            "0.5",
+            "--num-threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert str(rank_file(tmp_path, 1, 0)) in result.stderr
+
+
+def test_sft_lowers_the_loss_and_writes_a_loadable_model(tmp_path, tiny_model):
+    output_dir = tmp_path / "sft"
+    run_asyncrl(
+        [
+            "sft",
+            "--model.name",
+            str(tiny_model),
+            "--output-dir",
+            str(output_dir),
+            "--max-steps",
+            "30",
+            "--data.batch-size",
+            "16",
+            "--seq-len",
+            "512",
+            "--optim.lr",
+            "3e-3",
+            "--optim.warmup-steps",
+            "3",
+            "--log-interval",
+            "5",
+            "--num-threads",
+            "1",
+        ]
+    )
+    losses = [m["loss"] for m in read_jsonl(output_dir / "metrics.jsonl") if m["source"] == "sft"]
+    assert len(losses) == 6
+    assert losses[-1] < 0.8 * losses[0]
+    model = AutoModelForCausalLM.from_pretrained(output_dir / "final")
+    assert model.config.vocab_size == VOCAB
+    assert (output_dir / "final" / "tokenizer.json").exists()
