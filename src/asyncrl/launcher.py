@@ -239,7 +239,7 @@ def supervise(children: list[Child], progress: Progress) -> None:
             if live:
                 live.update(progress.table())
             elif progress.new_step():
-                console.print(progress.line())
+                print(progress.line(), flush=True)
             if trainer.process.poll() == 0:
                 return
             time.sleep(0.5)
