@@ -250,6 +250,20 @@ def supervise(children: list[Child], progress: Progress) -> None:
             live.stop()
 
 
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            raise AsyncRLError(
+                f"port {port} on {host} is in use (set inference.port, or 0 for any free port)"
+            ) from None
+
+
+def _terminate_as_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def run_rl(cfg: RLConfig, dry_run: bool = False, clean: bool = False) -> int:
     output_dir = Path(cfg.output_dir)
     inference, orchestrator, trainer = resolve(cfg)
@@ -263,7 +277,10 @@ def run_rl(cfg: RLConfig, dry_run: bool = False, clean: bool = False) -> int:
         return 0
 
     check_model_name(cfg.model.name)
+    check_port_free(inference.host, inference.port)
     prepare_output_dir(output_dir, clean)
+    # A scheduler's SIGTERM must stop the children too: they run in sessions of their own.
+    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     paths = {}
     for name, config in configs.items():
         paths[name] = output_dir / "configs" / f"{name}.toml"

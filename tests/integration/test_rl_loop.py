@@ -4,11 +4,15 @@ processes talking over loopback HTTP and files, on a small model warmed by `asyn
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from asyncrl.metrics import read_jsonl
@@ -135,3 +139,40 @@ def test_dry_run_writes_configs_and_starts_nothing(tmp_path):
         assert (tmp_path / "run" / "configs" / f"{name}.toml").exists()
         assert f"# {name}" in result.stdout
     assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_port_in_use_is_one_clear_error(warm_model, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = asyncrl("rl", "@", str(EXAMPLE / "rl.toml"), "--model.name", str(warm_model),
+                         "--output-dir", str(tmp_path / "run"), "--inference.port", str(port), timeout=60)  # fmt: skip
+    assert result.returncode == 2
+    assert f"port {port} on 127.0.0.1 is in use" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_stops_every_process(warm_model, tmp_path, signum):
+    output_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl", "rl", "@", str(EXAMPLE / "rl.toml"), "--model.name", str(warm_model),
+         "--output-dir", str(output_dir), "--inference.port", "0", "--max-steps", "1000"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not by_source(output_dir, "trainer") and time.monotonic() < deadline:
+            assert launcher.poll() is None, launcher.stdout.read()
+            time.sleep(0.2)
+        assert by_source(output_dir, "trainer"), "the trainer never finished a step"
+        children = psutil.Process(launcher.pid).children(recursive=True)
+        assert len(children) >= 4  # inference, orchestrator, torchrun, one rank
+        launcher.send_signal(signum)
+        assert launcher.wait(timeout=30) == 130
+    finally:
+        launcher.kill()
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"left running: {[p.cmdline() for p in alive]}"
+    assert "interrupted" in launcher.stdout.read()
