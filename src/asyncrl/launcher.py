@@ -7,6 +7,7 @@ child writes to its own log under `<output_dir>/logs/`; the launcher shows one l
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -26,7 +27,6 @@ from rich.table import Table
 from asyncrl.config import InferenceConfig, OrchestratorConfig, RLConfig, TrainerConfig, to_toml, write_toml
 from asyncrl.errors import AsyncRLError
 from asyncrl.loading import check_model_name
-from asyncrl.metrics import read_jsonl
 
 console = Console(stderr=False, highlight=False)
 
@@ -172,11 +172,22 @@ class Progress:
         self.max_steps = max_steps
         self.start = time.time()
         self.latest: dict[str, dict] = {}
+        self.offset = 0
         self.printed_step = 0
 
     def refresh(self) -> None:
-        for record in read_jsonl(self.path):
-            self.latest[record["source"]] = record
+        """Read the lines appended since the last refresh (whole lines only)."""
+        if not self.path.exists():
+            return
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        for line in complete.decode().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                self.latest[record["source"]] = record
 
     def line(self) -> str:
         orch, train = self.latest.get("orchestrator", {}), self.latest.get("trainer", {})
