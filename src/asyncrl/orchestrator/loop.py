@@ -149,7 +149,7 @@ async def orchestrate(cfg: OrchestratorConfig) -> None:
                     "timestamp/generate_end": generate_end,
                 },
             )
-            for r in rollouts[: cfg.samples_per_step]:
+            for r in [g[0] for g in groups if g][: cfg.samples_per_step]:  # one per prompt
                 samples_log.write(
                     {
                         "step": step,
