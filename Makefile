@@ -3,7 +3,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU build of torch; on a GPU machine install the CUDA build of your choice first, then `make setup`.
+# torch to install when .venv has none. On our machines this is the CPU build; elsewhere PyPI serves the
+# CUDA build: for a small CPU-only install use TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu".
 TORCH ?= torch==2.13.0
 
 .PHONY: setup demo test
@@ -12,7 +13,7 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 
