@@ -25,19 +25,20 @@ Config files are layered left to right ('@ a.toml @ b.toml'), then dotted flags 
 
 
 def _model_init(argv: list[str]) -> None:
-    from asyncrl.models import PRESETS, init_model
+    from asyncrl.models import ARCHITECTURES, PRESETS, init_model
 
     parser = argparse.ArgumentParser(
         prog="asyncrl model init",
-        description="Build a small Qwen3-architecture "
+        description="Build a small Qwen3- or Llama-architecture "
         "model and a byte-level ChatML tokenizer, offline, in Hugging Face format.",
     )
     parser.add_argument("--output", type=Path, required=True, help="folder to write the model to")
     parser.add_argument("--preset", choices=list(PRESETS), default="small", help="model size (default: small)")
+    parser.add_argument("--architecture", choices=list(ARCHITECTURES), default="qwen3", help="(default: qwen3)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    count = init_model(args.output, args.preset, args.seed)
-    print(f"wrote {args.preset} model ({count / 1e6:.2f}M parameters) to {args.output}")
+    count = init_model(args.output, args.preset, args.seed, args.architecture)
+    print(f"wrote {args.preset} {args.architecture} model ({count / 1e6:.2f}M parameters) to {args.output}")
 
 
 def _redirect_rank_output() -> None:

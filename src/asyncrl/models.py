@@ -1,4 +1,4 @@
-"""`asyncrl model init`: a small Qwen3-architecture model and a byte-level tokenizer, built offline.
+"""`asyncrl model init`: a small Qwen3- (or Llama-) architecture model and a byte-level tokenizer, built offline.
 
 The result is an ordinary Hugging Face directory: `AutoModelForCausalLM.from_pretrained` and
 `AutoTokenizer.from_pretrained` load it, so every other part of asyncrl treats it like a hub model.
@@ -11,7 +11,18 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from transformers.utils import logging as hf_logging
+
+hf_logging.disable_progress_bar()
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -60,8 +71,14 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, preset: Preset, seed: int = 0) -> Qwen3ForCausalLM:
-    config = Qwen3Config(
+ARCHITECTURES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+
+
+def build_model(
+    tokenizer: PreTrainedTokenizerFast, preset: Preset, seed: int = 0, architecture: str = "qwen3"
+) -> PreTrainedModel:
+    config_class, model_class = ARCHITECTURES[architecture]
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=preset.hidden_size,
         intermediate_size=preset.intermediate_size,
@@ -76,17 +93,19 @@ def build_model(tokenizer: PreTrainedTokenizerFast, preset: Preset, seed: int = 
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    model = model_class(config)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     return model
 
 
-def init_model(output: Path, preset: str = "small", seed: int = 0) -> int:
+def init_model(output: Path, preset: str = "small", seed: int = 0, architecture: str = "qwen3") -> int:
     """Write a fresh model + tokenizer to `output`; returns the parameter count."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset '{preset}'; choose one of: {', '.join(PRESETS)}")
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture '{architecture}'; choose one of: {', '.join(ARCHITECTURES)}")
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, PRESETS[preset], seed)
+    model = build_model(tokenizer, PRESETS[preset], seed, architecture)
     output.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output)
     tokenizer.save_pretrained(output)

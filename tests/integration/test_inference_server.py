@@ -257,14 +257,14 @@ def test_paused_requests_wait_and_finish_after_resume(http):
         http.post("/admin/resume", headers=ADMIN)
 
 
-def test_update_weights_makes_a_new_policy_version_live(http, model_dir, tmp_path):
+def test_update_weights_makes_a_new_policy_version_live(http, model_dir, tokenizer, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     base = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     torch.manual_seed(1)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
-    folder = publish(tmp_path, 1, model.state_dict(), model.config, model_dir)
+    folder = publish(tmp_path, 1, model.state_dict(), model.config, tokenizer)
     response = http.post("/admin/update_weights", headers=ADMIN, json={"path": str(folder), "version": 1})
     try:
         assert response.status_code == 200 and response.json() == {"policy_version": 1}
@@ -276,7 +276,7 @@ def test_update_weights_makes_a_new_policy_version_live(http, model_dir, tmp_pat
         assert torch.allclose(torch.tensor(choice["logprobs"]), expected, atol=1e-4)
     finally:  # later tests expect the base weights
         model.load_state_dict(base)
-        restored = publish(tmp_path, 2, model.state_dict(), model.config, model_dir)
+        restored = publish(tmp_path, 2, model.state_dict(), model.config, tokenizer)
         http.post("/admin/update_weights", headers=ADMIN, json={"path": str(restored), "version": 2})
 
 

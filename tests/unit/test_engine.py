@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.config.schema import InferenceConfig
 from asyncrl.inference.engine import Engine, GenerationRequest, RequestError, WeightsError
@@ -47,7 +47,9 @@ def perturbed_weights(model_dir, output_dir, version: int):
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
-    return model, publish(output_dir, version, model.state_dict(), model.config, model_dir)
+    return model, publish(
+        output_dir, version, model.state_dict(), model.config, AutoTokenizer.from_pretrained(model_dir)
+    )
 
 
 def test_logprobs_match_teacher_forcing_before_top_k(engine, model_dir):
@@ -166,7 +168,7 @@ def test_weights_of_another_shape_are_refused(engine, tmp_path):
     other_dir = tmp_path / "other"
     init_model(other_dir, "small")
     other = AutoModelForCausalLM.from_pretrained(other_dir)
-    folder = publish(tmp_path, 1, other.state_dict(), other.config, other_dir)
+    folder = publish(tmp_path, 1, other.state_dict(), other.config, AutoTokenizer.from_pretrained(other_dir))
     before = run(engine, max_tokens=6, temperature=0.0)
     with pytest.raises(WeightsError, match="do not fit"):
         engine.update_weights(folder, 1).result(TIMEOUT)

@@ -33,3 +33,21 @@ def test_chat_template_is_chatml_and_extends_the_prompt(tmp_path):
     )
     assert full_ids[: len(prompt_ids)] == prompt_ids
     assert tokenizer.decode(full_ids[len(prompt_ids) :]) == "cba<|im_end|>\n"
+
+
+def test_llama_architecture_loads_and_keeps_packed_samples_apart(tmp_path):
+    import torch
+
+    from asyncrl.config.schema import ModelConfig
+    from asyncrl.loading import load_model
+
+    init_model(tmp_path / "m", "tiny", architecture="llama")
+    model = load_model(ModelConfig(name=str(tmp_path / "m")))
+    assert type(model).__name__ == "LlamaForCausalLM"
+    a, b = [5, 6, 7, 8], [9, 10, 11]
+    with torch.no_grad():
+        packed = model(
+            input_ids=torch.tensor([a + b]), position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2]]), use_cache=False
+        ).logits[0]
+        alone = model(input_ids=torch.tensor([b]), use_cache=False).logits[0]
+    assert torch.allclose(packed[4:], alone, atol=1e-5)

@@ -79,7 +79,9 @@ class OrchestratorConfig(Config):
     max_async_level: int = Field(1, ge=0, description="batch n uses policy versions >= n - 1 - max_async_level")
     max_concurrency: int = Field(64, ge=1, description="groups in flight on the inference server")
     num_trainer_ranks: int = Field(1, ge=1, description="batch files per step (set by `asyncrl rl`)")
-    samples_per_step: int = Field(4, ge=0, description="decoded rollouts (one per prompt) written to samples.jsonl each step")
+    samples_per_step: int = Field(
+        4, ge=0, description="decoded rollouts (one per prompt) written to samples.jsonl each step"
+    )
     request_timeout: float = Field(600.0, gt=0, description="seconds for one generate request")
     wait_timeout: float = Field(900.0, gt=0, description="seconds to wait for the inference server or new weights")
     admin_token: str | None = Field(None, description="default: the ASYNCRL_ADMIN_TOKEN environment variable")

@@ -6,18 +6,13 @@ so RL, SFT and benchmarks share one code path for 1..N ranks.
 
 from __future__ import annotations
 
-import os
-import shutil
-from pathlib import Path
-
 import torch
 import torch.nn as nn
-from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel
 
 from asyncrl.config.schema import ModelConfig, OptimConfig
 from asyncrl.errors import AsyncRLError
@@ -97,24 +92,3 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Gather the full state dict on CPU on rank 0 (other ranks get an empty dict). A collective: every
     rank must call it."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def save_hf_model(
-    path: Path, state_dict: dict[str, torch.Tensor], model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
-) -> Path:
-    """Write a complete Hugging Face model folder (weights, config, generation config, tokenizer) atomically."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    if model.config.tie_word_embeddings:
-        # Tied tensors share storage, which safetensors refuses; from_pretrained re-ties them.
-        state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
-    save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
-    model.config.save_pretrained(tmp)
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
-    return path

@@ -18,6 +18,7 @@ import torch
 
 from asyncrl.config.schema import TrainerConfig
 from asyncrl.errors import AsyncRLError
+from asyncrl.loading import load_tokenizer
 from asyncrl.metrics import MetricsLogger
 from asyncrl.trainer.distributed import World, all_reduce_sum, check_same_count, close_distributed, init_distributed
 from asyncrl.trainer.loss import rl_loss, token_logprobs
@@ -88,10 +89,10 @@ def train_step(
     return metrics
 
 
-def publish_weights(model: torch.nn.Module, cfg: TrainerConfig, step: int, world: World) -> None:
+def publish_weights(model: torch.nn.Module, tokenizer, cfg: TrainerConfig, step: int, world: World) -> None:
     state_dict = full_state_dict(model)  # collective: every rank takes part, rank 0 gets the tensors
     if world.is_main:
-        weights.publish(cfg.output_dir, step, state_dict, model.config, cfg.model.name)
+        weights.publish(cfg.output_dir, step, state_dict, model.config, tokenizer)
         weights.prune(cfg.output_dir, cfg.keep_weights)
 
 
@@ -100,6 +101,7 @@ def train(cfg: TrainerConfig) -> int:
     try:
         model = parallelize(setup_model(cfg.model, world.device), world.world_size, world.device, cfg.model.dtype)
         optimizer = make_optimizer(model, cfg.optim)
+        tokenizer = load_tokenizer(cfg.model.name)  # published weights carry it, so each is a whole model
         logger = MetricsLogger(cfg.output_dir, "trainer") if world.is_main else None
         if world.is_main:
             print(
@@ -122,7 +124,7 @@ def train(cfg: TrainerConfig) -> int:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-            publish_weights(model, cfg, step, world)
+            publish_weights(model, tokenizer, cfg, step, world)
             train_end = time.time()
             # Every rank read its file before joining the collective in publish_weights, so rank 0 may
             # delete the whole step folder now.

@@ -32,10 +32,10 @@ from asyncrl.trainer.model import (
     learning_rate,
     make_optimizer,
     parallelize,
-    save_hf_model,
     set_learning_rate,
     setup_model,
 )
+from asyncrl.transport.weights import save_model_folder
 
 END_OF_TURN = "<|im_end|>"
 
@@ -152,7 +152,9 @@ def train_sft(cfg: SFTConfig) -> int:
 
         state_dict = full_state_dict(model)  # collective: every rank takes part
         if world.is_main:
-            final = save_hf_model(cfg.output_dir / "final", state_dict, model, tokenizer)
+            final = save_model_folder(
+                cfg.output_dir / "final", state_dict, model.config, tokenizer, model.generation_config
+            )
             print(f"sft: saved {final}", flush=True)
         return 0
     finally:

@@ -16,38 +16,38 @@ from safetensors.torch import load_file, save_file
 
 WEIGHTS_FILE = "model.safetensors"
 MARKER = "STABLE"
-# Files copied next to the weights so that a weights folder is a complete, loadable model.
-_SIDE_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "generation_config.json",
-)
 
 
 def weights_dir(output_dir: Path, version: int) -> Path:
     return Path(output_dir) / "weights" / f"step_{version}"
 
 
-def publish(output_dir: Path, version: int, state_dict: dict[str, torch.Tensor], config, source: str | Path) -> Path:
-    """Write version `version` atomically. `config` is the model's PretrainedConfig; `source` the model folder
-    whose tokenizer files are copied alongside (skipped when it is a hub id)."""
-    final = weights_dir(output_dir, version)
-    tmp = final.with_name(f".{final.name}.tmp")
+def save_model_folder(
+    path: Path, state_dict: dict[str, torch.Tensor], config, tokenizer, generation_config=None
+) -> Path:
+    """Write a complete, loadable Hugging Face model folder (weights, config, tokenizer) atomically: into a
+    temporary folder, then renamed. Used for published weights and for the final SFT model."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     if getattr(config, "tie_word_embeddings", False):
-        # Tied tensors share storage, which safetensors refuses; the loader re-ties them.
+        # Tied tensors share storage, which safetensors refuses; loaders re-tie them.
         state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
-    save_file({k: v.detach().contiguous() for k, v in state_dict.items()}, tmp / WEIGHTS_FILE)
+    tensors = {k: v.detach().contiguous() for k, v in state_dict.items()}
+    save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
     config.save_pretrained(tmp)
-    source = Path(source)
-    for name in _SIDE_FILES:
-        if (source / name).is_file():
-            shutil.copy2(source / name, tmp / name)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    if generation_config is not None:
+        generation_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path
+
+
+def publish(output_dir: Path, version: int, state_dict: dict[str, torch.Tensor], config, tokenizer) -> Path:
+    """Write policy version `version`; the STABLE marker, written last, tells readers it is complete."""
+    final = save_model_folder(weights_dir(output_dir, version), state_dict, config, tokenizer)
     (final / MARKER).touch()
     return final
 
