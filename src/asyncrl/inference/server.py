@@ -306,7 +306,8 @@ def create_app(engine: Engine, cfg: InferenceConfig) -> FastAPI:
         # Every prompt is queued before any is awaited, so they share decoding batches.
         futures: list[concurrent.futures.Future] = []
         try:
-            futures += [engine.generate(request) for request in requests]
+            for request in requests:
+                futures.append(engine.generate(request))
         except RequestError:
             for future in futures:
                 future.cancel()
