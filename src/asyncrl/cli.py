@@ -20,7 +20,9 @@ commands:
   model init    build a small model and byte-level tokenizer offline
 
 Config files are layered left to right ('@ a.toml @ b.toml'), then dotted flags override them
-('--trainer.optim.lr 1e-5'). 'asyncrl rl --dry-run' prints the resolved configs and starts nothing.
+('--trainer.optim.lr 1e-5'). 'asyncrl rl --dry-run' prints the resolved configs and starts nothing;
+'asyncrl rl --clean' replaces an earlier run in the same output_dir. Every key, with its default and
+meaning: docs/config.md. Example: asyncrl rl @ examples/reverse_text/rl.toml
 """
 
 
