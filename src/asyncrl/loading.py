@@ -20,9 +20,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _missing(name: str, error: Exception) -> AsyncRLError:
+    reason = str(error).splitlines()[0] if str(error) else type(error).__name__
     return AsyncRLError(
-        f"model '{name}' could not be loaded: {str(error).splitlines()[0] if str(error) else type(error).__name__} "
-        "(set model.name to a local model folder, e.g. one made by `asyncrl model init`, or a Hugging Face id)"
+        f"model '{name}' could not be loaded: {reason} (a hub id needs the network or a copy in the Hugging Face "
+        "cache; or set model.name to a local model folder, e.g. one made by `asyncrl model init`)"
     )
 
 
