@@ -72,9 +72,3 @@ def wait_for_batch(output_dir: Path, step: int, rank: int, timeout: float, alive
     path = rank_file(output_dir, step, rank)
     wait_for(path.exists, timeout, f"rollout batch {path}", "is the orchestrator running?", alive=alive)
     return read_batch(path)
-
-
-def latest_written_step(output_dir: Path) -> int:
-    root = Path(output_dir) / "rollouts"
-    steps = [int(p.name.split("_")[1]) for p in root.glob("step_*") if p.name.split("_")[1].isdigit()]
-    return max(steps, default=0)
