@@ -1,4 +1,5 @@
-"""The engine in-process on a tiny model: batching, logprobs, stopping, pause and weight updates."""
+"""The engine in-process on a tiny model: continuous batching, KV-cache slots, logprobs, stopping, pause and
+weight updates."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.config.schema import InferenceConfig
+from asyncrl.errors import AsyncRLError
 from asyncrl.inference.engine import Engine, GenerationRequest, RequestError, WeightsError
+from asyncrl.inference.kv_cache import GIB
 from asyncrl.models import init_model
 from asyncrl.transport.weights import publish
 
@@ -23,11 +26,23 @@ def model_dir(tmp_path_factory):
     return path
 
 
+def config(model_dir, dtype: str = "float32", **fields) -> InferenceConfig:
+    model = {"name": str(model_dir), "dtype": dtype}
+    return InferenceConfig(model=model, seq_len=128, max_batch_size=4, num_threads=1, **fields)
+
+
 @pytest.fixture
 def engine(model_dir):
-    engine = Engine(InferenceConfig(model={"name": str(model_dir)}, seq_len=128, max_batch_size=4))
+    engine = Engine(config(model_dir))
     yield engine
     engine.stop()
+
+
+def wait_until(condition, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
 
 
 def run(engine: Engine, **fields) -> list:
@@ -62,6 +77,105 @@ def test_logprobs_match_teacher_forcing_before_top_k(engine, model_dir):
         for completion in future.result(TIMEOUT):
             expected = teacher_forced_logprobs(model, prompt, completion.token_ids, 0.8)
             assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)
+
+
+def test_llama_architecture_logprobs_match_teacher_forcing(tmp_path):
+    init_model(tmp_path / "llama", "tiny", seed=1, architecture="llama")
+    engine = Engine(config(tmp_path / "llama"))
+    try:
+        prompt = [5, 9, 2, 7]
+        [completion] = run(engine, prompt_ids=prompt, max_tokens=16, temperature=1.3, seed=0)
+    finally:
+        engine.stop()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "llama", dtype=torch.float32)
+    expected = teacher_forced_logprobs(model, prompt, completion.token_ids, 1.3)
+    assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)
+
+
+def test_a_request_joins_the_running_batch_and_leaves_before_the_long_one(engine):
+    long_request = engine.generate(GenerationRequest([3, 1, 4, 1, 5], max_tokens=100, temperature=0.0))
+    wait_until(lambda: engine.generated_tokens >= 5)
+    short = engine.generate(GenerationRequest([2, 7], max_tokens=3, seed=0))
+    assert len(short.result(TIMEOUT)[0].token_ids) <= 3
+    assert not long_request.done()  # admitted while the long one ran, not after it drained
+    assert len(long_request.result(TIMEOUT)[0].token_ids) == 100
+
+
+def test_samples_of_one_request_share_one_prefill(engine, monkeypatch):
+    prefilled = []
+    original = engine.runner.prefill
+
+    def prefill(prompts, rows, first_slot):
+        prefilled.append((len(prompts), list(rows)))
+        return original(prompts, rows, first_slot)
+
+    monkeypatch.setattr(engine.runner, "prefill", prefill)
+    completions = run(engine, n=4, max_tokens=6, seed=5)
+    assert prefilled == [(1, [0, 0, 0, 0])]  # one prompt row, copied to the 4 slots
+    assert len({tuple(c.token_ids) for c in completions}) > 1
+
+
+def test_requests_wait_for_a_free_kv_cache_slot(model_dir):
+    slot_gib = 128 * 512 / GIB  # seq_len x bytes per token of the tiny model (2 layers, 1 KV head of 32, fp32)
+    engine = Engine(config(model_dir, kv_cache_gb=2.5 * slot_gib))
+    try:
+        assert engine.stats().kv_cache_total_tokens == 2 * 128
+        most_running = []
+        on_token = lambda *_: most_running.append(engine.stats().running_sequences)  # noqa: E731
+        engine.pause().result(TIMEOUT)
+        futures = [engine.generate(GenerationRequest([1, 2, i], n=2, max_tokens=5), on_token) for i in range(3)]
+        assert engine.stats().waiting_sequences == 6 and engine.stats().waiting_requests == 3
+        engine.resume().result(TIMEOUT)
+        assert all(len(future.result(TIMEOUT)) == 2 for future in futures)
+        assert max(most_running) == 2
+    finally:
+        engine.stop()
+
+
+def test_a_kv_cache_budget_below_one_sequence_is_refused(model_dir):
+    with pytest.raises(AsyncRLError, match="kv_cache_gb"):
+        Engine(config(model_dir, kv_cache_gb=1e-6))
+
+
+def test_stats_count_requests_tokens_and_kv_cache_use(engine):
+    engine.pause().result(TIMEOUT)
+    futures = [engine.generate(GenerationRequest([1] * 10, n=2, max_tokens=5)) for _ in range(2)]
+    waiting = engine.stats()
+    assert (waiting.waiting_requests, waiting.waiting_sequences, waiting.running_requests) == (2, 4, 0)
+    engine.resume().result(TIMEOUT)
+    completions = [c for future in futures for c in future.result(TIMEOUT)]
+    done = engine.stats()
+    assert done.prompt_tokens == 20 and done.generated_tokens == sum(len(c.token_ids) for c in completions)
+    assert done.running_sequences == done.kv_cache_used_tokens == 0 and done.kv_cache_total_tokens == 4 * 128
+
+
+def test_on_token_streams_every_token_with_the_last_marked(engine):
+    streamed: dict[int, list] = {0: [], 1: []}
+    on_token = lambda index, *token: streamed[index].append(token)  # noqa: E731
+    completions = engine.generate(GenerationRequest([4, 2], n=2, max_tokens=6, top_logprobs=2), on_token)
+    for index, completion in enumerate(completions.result(TIMEOUT)):
+        tokens = streamed[index]
+        assert [t[0] for t in tokens] == completion.token_ids and [t[1] for t in tokens] == completion.logprobs
+        assert [t[2] for t in tokens] == completion.top_logprobs and {t[3] for t in tokens} == {0}
+        assert [t[4] for t in tokens] == [None] * (len(tokens) - 1) + [completion.finish_reason]
+
+
+def test_min_p_one_is_greedy(engine):
+    [greedy] = run(engine, max_tokens=8, temperature=0.0)
+    sampled = run(engine, n=3, max_tokens=8, temperature=1.0, min_p=1.0, seed=4)
+    assert all(c.token_ids == greedy.token_ids for c in sampled)
+
+
+def test_bfloat16_logprobs_stay_close_to_teacher_forcing(model_dir):
+    engine = Engine(config(model_dir, dtype="bfloat16"))
+    try:
+        prompt = [7, 3, 9]
+        [completion] = run(engine, prompt_ids=prompt, max_tokens=12, seed=2)
+    finally:
+        engine.stop()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    expected = teacher_forced_logprobs(model, prompt, completion.token_ids, 1.0).float()
+    assert (torch.tensor(completion.logprobs) - expected).abs().max() < 0.05
 
 
 def test_a_sample_does_not_depend_on_its_batch_mates(engine):
@@ -138,8 +252,7 @@ def test_weights_update_mid_sequence_and_tokens_record_the_version(engine, model
     new_model, folder = perturbed_weights(model_dir, tmp_path, version=1)
     prompt = [3, 1, 4, 1, 5]
     future = engine.generate(GenerationRequest(prompt, max_tokens=100, temperature=0.0))
-    while engine.generated_tokens < 5:
-        time.sleep(0.001)
+    wait_until(lambda: engine.generated_tokens >= 5)
     engine.pause().result(TIMEOUT)
     assert engine.update_weights(folder, 1).result(TIMEOUT) == 1
     engine.resume().result(TIMEOUT)
@@ -154,6 +267,22 @@ def test_weights_update_mid_sequence_and_tokens_record_the_version(engine, model
     assert set(after.policy_versions) == {1}
     embeddings = engine.model.get_input_embeddings().weight
     assert engine.model.get_output_embeddings().weight.data_ptr() == embeddings.data_ptr()  # still tied
+
+
+def test_weights_update_from_an_in_memory_state_dict(engine, model_dir, tmp_path):
+    new_model, _ = perturbed_weights(model_dir, tmp_path, version=2)
+    state = {name: tensor for name, tensor in new_model.state_dict().items() if name != "lm_head.weight"}
+    assert engine.update_weights(state, 2).result(TIMEOUT) == 2
+    prompt = [8, 6, 7]
+    [after] = run(engine, prompt_ids=prompt, max_tokens=10, temperature=0.9, seed=1)
+    expected = teacher_forced_logprobs(new_model, prompt, after.token_ids, 0.9)
+    assert torch.allclose(torch.tensor(after.logprobs), expected, atol=1e-4) and set(after.policy_versions) == {2}
+
+
+def test_a_state_dict_of_another_shape_is_refused(engine):
+    with pytest.raises(WeightsError, match="do not fit.*missing"):
+        engine.update_weights({"model.embed_tokens.weight": torch.zeros(3, 3)}, 1).result(TIMEOUT)
+    assert engine.stats().policy_version == 0
 
 
 def test_a_missing_weights_folder_keeps_the_old_weights(engine, tmp_path):

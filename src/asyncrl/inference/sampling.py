@@ -1,18 +1,64 @@
-"""Choose the next token of every row of a batch, and record its log-probability.
+"""Choose the next token of every row of a batch, on the batch's device, and record its log-probability.
 
 The recorded log-probability is log_softmax(logits / temperature)[token]: the distribution at the
-sampling temperature, taken BEFORE top-k / top-p filtering. The trainer recomputes exactly this quantity
-with teacher forcing (one forward pass, same temperature, no filtering), so the two sides of the
+sampling temperature, taken BEFORE top-k / top-p / min-p filtering. The trainer recomputes exactly this
+quantity with teacher forcing (one forward pass, same temperature, no filtering), so the two sides of the
 importance ratio in the loss measure the same thing. Filtering only narrows which tokens can be drawn.
 
 Temperature 0 means greedy decoding; its log-probabilities are taken at temperature 1.
+
+Each row draws by inverting its cumulative distribution at one uniform number that the caller supplies
+from the row's own generator: a whole batch samples in a few vectorized kernels, and a row's draw depends
+only on its own seed, never on what else shares the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+
+class SamplingParams(Protocol):
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    top_logprobs: int
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as tensors, plus what the host knows about them, so that sampling never
+    has to ask the device (which would stall it) whether some row needs filtering."""
+
+    temperature: torch.Tensor  # [B] float32; 1 on greedy rows
+    top_p: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] long, 0 = no limit
+    min_p: torch.Tensor  # [B] float32
+    greedy: torch.Tensor  # [B] bool
+    any_greedy: bool
+    any_filtered: bool  # some row has top-k, top-p or min-p
+    num_top: int  # the largest top_logprobs asked for
+
+    @classmethod
+    def of(cls, rows: Sequence[SamplingParams], device: torch.device | str) -> SamplingBatch:
+        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        greedy = [row.temperature == 0 for row in rows]
+        return cls(
+            temperature=column([1.0 if g else row.temperature for g, row in zip(greedy, rows)], torch.float32),
+            top_p=column([row.top_p for row in rows], torch.float32),
+            top_k=column([row.top_k for row in rows], torch.long),
+            min_p=column([row.min_p for row in rows], torch.float32),
+            greedy=column(greedy, torch.bool),
+            any_greedy=any(greedy),
+            any_filtered=any(row.top_k > 0 or row.top_p < 1 or row.min_p > 0 for row in rows),
+            num_top=max((row.top_logprobs for row in rows), default=0),
+        )
 
 
 @dataclass
@@ -23,40 +69,30 @@ class SampledTokens:
     top_logprobs: torch.Tensor  # [B, K] float32
 
 
-def sample(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_p: torch.Tensor,
-    top_k: torch.Tensor,
-    generators: list[torch.Generator],
-    num_top: int = 0,
-) -> SampledTokens:
-    """`logits` [B, V]; `temperature`, `top_p` [B] float; `top_k` [B] long (0 = no limit); one generator per
-    row, so that a row's draws depend only on its own seed, never on what else shares the batch."""
-    greedy = temperature == 0
-    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
-    logprobs = torch.log_softmax(logits.float() / scale[:, None], dim=-1)
-    filtered = filter_top_k_top_p(logprobs, top_k, top_p)
-
-    token_ids = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    for row, generator in enumerate(generators):
-        if greedy[row]:
-            token_ids[row] = logprobs[row].argmax()
-        else:
-            token_ids[row] = torch.multinomial(filtered[row].exp(), 1, generator=generator)[0]
-
+def sample(logits: torch.Tensor, batch: SamplingBatch, uniforms: torch.Tensor) -> SampledTokens:
+    """`logits` [B, V]; `uniforms` [B] float64 in [0, 1), one fresh draw per row from the row's generator."""
+    # bfloat16 logits divided by float32 temperatures give float32, in one kernel.
+    logprobs = torch.log_softmax(logits / batch.temperature[:, None], dim=-1)
+    candidates = filter_logprobs(logprobs, batch.top_k, batch.top_p, batch.min_p) if batch.any_filtered else logprobs
+    # Inverse CDF in float64, so that even very unlikely tokens keep their share of [0, 1).
+    cumulative = torch.cumsum(candidates.exp(), dim=-1, dtype=torch.float64)
+    targets = uniforms.to(cumulative.device)[:, None] * cumulative[:, -1:]
+    # side="right": the first token whose cumulative mass exceeds the target, which has non-zero mass.
+    token_ids = torch.searchsorted(cumulative, targets, right=True)[:, 0].clamp_(max=logits.shape[-1] - 1)
+    if batch.any_greedy:
+        token_ids = torch.where(batch.greedy, logprobs.argmax(dim=-1), token_ids)
     chosen = logprobs.gather(-1, token_ids[:, None])[:, 0]
-    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
+    top_logprobs, top_ids = logprobs.topk(batch.num_top, dim=-1)
     return SampledTokens(token_ids, chosen, top_ids, top_logprobs)
 
 
-def filter_top_k_top_p(logprobs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Renormalized log-probabilities with everything outside each row's top-k, then top-p nucleus set to
-    -inf. The most likely token always survives. Rows without limits are returned unchanged."""
+def filter_logprobs(
+    logprobs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Renormalized log-probabilities with everything outside each row's top-k, then top-p nucleus, then
+    min-p set to -inf (the order of Hugging Face's processors). The most likely token always survives.
+    Rows without limits come back unchanged."""
     vocab = logprobs.shape[-1]
-    limited = (top_k > 0) & (top_k < vocab) | (top_p < 1)
-    if not limited.any():
-        return logprobs
     sorted_lp, order = logprobs.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=logprobs.device)
     k = torch.where(top_k > 0, top_k, vocab)
@@ -65,7 +101,9 @@ def filter_top_k_top_p(logprobs: torch.Tensor, top_k: torch.Tensor, top_p: torch
     # tokens ranked above it already hold top_p of the mass.
     probs = torch.softmax(sorted_lp, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    sorted_lp = sorted_lp.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    sorted_lp = sorted_lp.masked_fill((mass_before >= top_p[:, None]) & (top_p[:, None] < 1), float("-inf"))
+    # min-p: keep tokens at least min_p times as likely as the most likely one (which top-k/p never drop).
+    sorted_lp = sorted_lp.masked_fill(sorted_lp < sorted_lp[:, :1] + min_p.log()[:, None], float("-inf"))
     kept = torch.full_like(logprobs, float("-inf")).scatter(-1, order, sorted_lp)
-    kept = torch.log_softmax(kept, dim=-1)
-    return torch.where(limited[:, None], kept, logprobs)
+    limited = (top_k > 0) & (top_k < vocab) | (top_p < 1) | (min_p > 0)
+    return torch.where(limited[:, None], torch.log_softmax(kept, dim=-1), logprobs)

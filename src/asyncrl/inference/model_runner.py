@@ -1,0 +1,200 @@
+"""The forward passes of the policy: prefill of new prompts and one decoding step of the running batch.
+
+Written over the Hugging Face model's own parameters (Qwen3 and Llama: RMSNorm, rotary embeddings,
+grouped-query attention, Qwen3's q/k norms, SwiGLU MLP), not through `model.forward`: transformers' cache
+and mask machinery costs more than the math at decode time. A decoding step of a small model is bound by
+how many kernels it launches, so the step uses few: q/k/v and gate/up are one matrix each (`fuse_linears`),
+the q and k heads are normalized and rotated together. The parameters stay the model's (the fused
+matrices hold them as views), so a weight update that copies into them (`load_state_dict`) is seen at
+once, CUDA graphs included. Every operation follows transformers' order and dtypes (norms in float32,
+then cast, then the weight; rotary tables in the model dtype), so logprobs match a teacher-forced Hugging
+Face forward.
+
+- Prefill: the distinct prompts, right-padded to the longest, through causal attention (padding sits after
+  every real token, so no mask is needed); keys and values go to the samples' slots, one row per sample.
+- Decode: one token per running sample; slot i of the KV cache is batch row i. Attention reads the slots in
+  place, up to the longest context of the batch, with each row's own length as the mask. On a GPU the
+  step is replayed from a CUDA graph (`cuda_graphs.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from asyncrl.errors import AsyncRLError
+from asyncrl.inference.cuda_graphs import DecodeGraphs, bucket
+from asyncrl.inference.kv_cache import KVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
+# Decoding attends under a mask. On a GPU, where flash takes no mask, it is pinned to the memory-efficient
+# kernel (on the H200, batch 128 x context 384: 0.12 ms per layer; cuDNN's 0.10, math 0.66), which captures
+# into CUDA graphs, rather than left to per-shape dispatch. On CPU, flash takes masks and beats math ~2x.
+DECODE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def check_supported(config) -> None:
+    problem = None
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        problem = f"its architecture '{config.model_type}' is not one of: {', '.join(SUPPORTED_MODEL_TYPES)}"
+    elif getattr(config, "hidden_act", "silu") != "silu":
+        problem = f"its MLP activation is '{config.hidden_act}', not silu"
+    elif getattr(config, "use_sliding_window", False):
+        problem = "it uses sliding-window attention"
+    if problem:
+        raise AsyncRLError(f"the native inference engine cannot serve this model: {problem} (serve it with vLLM)")
+
+
+def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    return normalize(x, norm.variance_epsilon) * norm.weight
+
+
+def normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x), computed in float32 and cast back to x's dtype, as transformers does before the weight."""
+    return F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+
+def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    return F.linear(x, layer.weight, layer.bias)
+
+
+def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) matrix whose row blocks are the given layers' parameters: each layer's parameter
+    becomes a view of its block, so whatever is copied into the parameters lands in the fused matrix."""
+    fused = []
+    for attribute in ("weight", "bias"):
+        parts = [getattr(linear, attribute) for linear in linears]
+        if any(part is None for part in parts):
+            fused.append(None)
+            continue
+        matrix = torch.cat([part.detach() for part in parts])
+        offset = 0
+        for layer, part in zip(linears, parts):
+            block = matrix[offset : offset + part.shape[0]]
+            setattr(layer, attribute, nn.Parameter(block, requires_grad=False))
+            offset += part.shape[0]
+        fused.append(matrix)
+    return fused[0], fused[1]
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, cache: KVCache, cuda_graphs: bool):
+        config = model.config
+        check_supported(config)
+        self.model = model
+        self.cache = cache
+        self.layers = list(model.model.layers)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
+        self.qkv = [fuse_linears([a.q_proj, a.k_proj, a.v_proj]) for a in (layer.self_attn for layer in self.layers)]
+        self.gate_up = [fuse_linears([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in self.layers]
+        embeddings = model.get_input_embeddings().weight
+        self.device = embeddings.device
+        positions = torch.arange(cache.max_len, device=self.device)[None]
+        cos, sin = model.model.rotary_emb(embeddings[:1], positions)
+        # [max_len, head_dim] in the model dtype. transformers rotates x into cat(-x2, x1) * sin; with sin's
+        # halves equal (they are), that is roll(x, half) * cat(-sin1, sin2): the same products, one kernel.
+        half = self.head_dim // 2
+        self.cos, self.sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+        # The decoding step reads its inputs from these buffers, so a captured graph sees each step's values.
+        self.tokens = torch.zeros(cache.num_slots, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(cache.num_slots, dtype=torch.long, device=self.device)
+        self.graphs = DecodeGraphs(self._decode_step) if cuda_graphs and self.device.type == "cuda" else None
+
+    def prefill(self, prompts: list[list[int]], rows: list[int], first_slot: int) -> torch.Tensor:
+        """Run `prompts` and store their keys and values: slot `first_slot + j` gets prompt `rows[j]`.
+        Returns the logits after each prompt's last token, [len(prompts), vocab]."""
+        lengths = [len(prompt) for prompt in prompts]
+        width = max(lengths)
+        input_ids = torch.tensor([prompt + [0] * (width - len(prompt)) for prompt in prompts]).to(self.device)
+        slots = slice(first_slot, first_slot + len(rows))
+        gather = None if rows == list(range(len(prompts))) else torch.tensor(rows, device=self.device)
+        cos, sin = self.cos[:width, None], self.sin[:width, None]
+        x = F.embedding(input_ids, self.model.get_input_embeddings().weight)
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._project_qkv(index, rms_norm(x, layer.input_layernorm), cos, sin)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [rows, heads, width, dim]
+            self.cache.keys[index, slots, :, :width] = k if gather is None else k[gather]
+            self.cache.values[index, slots, :, :width] = v if gather is None else v[gather]
+            attention = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + linear(attention.transpose(1, 2).flatten(2), layer.self_attn.o_proj)
+            x = x + self._mlp(index, rms_norm(x, layer.post_attention_layernorm))
+        last = x[torch.arange(len(prompts), device=self.device), torch.tensor(lengths, device=self.device) - 1]
+        return self._logits(last)
+
+    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """Feed token i at position i of slot i, for the running slots [0, len(tokens)); returns the logits
+        [len(tokens), vocab]."""
+        count = len(tokens)
+        context = max(positions) + 1
+        if self.graphs is not None:
+            batch, context = bucket(count, self.cache.num_slots), bucket(context, self.cache.max_len)
+        else:
+            batch = count
+        # Padding rows decode token 0 at position 0 of free slots: harmless, the next prefill overwrites it.
+        padding = [0] * (batch - count)
+        inputs = torch.tensor([tokens + padding, positions + padding])
+        self.tokens[:batch].copy_(inputs[0], non_blocking=True)
+        self.positions[:batch].copy_(inputs[1], non_blocking=True)
+        if self.graphs is not None:
+            return self.graphs.run(batch, context)[:count]
+        return self._decode_step(batch, context)
+
+    def _decode_step(self, batch: int, context: int) -> torch.Tensor:
+        tokens, positions = self.tokens[:batch], self.positions[:batch]
+        rows = torch.arange(batch, device=self.device)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        # Row i attends to positions 0..positions[i] of its slot; an additive mask, made once per step.
+        hidden = torch.arange(context, device=self.device) > positions[:, None]
+        mask = torch.zeros(batch, 1, 1, context, dtype=self.cos.dtype, device=self.device)
+        mask.masked_fill_(hidden[:, None, None], float("-inf"))
+        group = self.num_heads // self.num_kv_heads
+        x = F.embedding(tokens, self.model.get_input_embeddings().weight)
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._project_qkv(index, rms_norm(x, layer.input_layernorm), cos, sin)
+            keys, values = self.cache.keys[index], self.cache.values[index]
+            keys[rows, :, positions] = k
+            values[rows, :, positions] = v
+            # Grouped-query attention without repeating keys: the `group` query heads that share a KV head
+            # are that head's queries. [batch, kv heads, group, dim] against [batch, kv heads, context, dim].
+            with sdpa_kernel(DECODE_ATTENTION):
+                attention = F.scaled_dot_product_attention(
+                    q.view(batch, self.num_kv_heads, group, self.head_dim),
+                    keys[:batch, :, :context],
+                    values[:batch, :, :context],
+                    attn_mask=mask,
+                )
+            x = x + linear(attention.reshape(batch, -1), layer.self_attn.o_proj)
+            x = x + self._mlp(index, rms_norm(x, layer.post_attention_layernorm))
+        return self._logits(x)
+
+    def _project_qkv(
+        self, index: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys, values of layer `index` as [..., heads, head_dim], q/k norms and rotary applied."""
+        weight, bias = self.qkv[index]
+        qkv = F.linear(h, weight, bias).unflatten(-1, (-1, self.head_dim))
+        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=-2)
+        if self.qk_norm:
+            attention = self.layers[index].self_attn
+            scale = torch.cat(
+                (
+                    attention.q_norm.weight.expand(self.num_heads, -1),
+                    attention.k_norm.weight.expand(self.num_kv_heads, -1),
+                )
+            )
+            qk = normalize(qk, attention.q_norm.variance_epsilon) * scale
+        qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * sin
+        return qk[..., : self.num_heads, :], qk[..., self.num_heads :, :], v
+
+    def _mlp(self, index: int, h: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.gate_up[index]
+        gate, up = F.linear(h, weight, bias).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.layers[index].mlp.down_proj)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return linear(rms_norm(h, self.model.model.norm), self.model.get_output_embeddings())

@@ -1,0 +1,108 @@
+"""A generation request and its samples, as the engine tracks them from arrival to completion.
+
+A request asks for `n` samples of one prompt; each sample is a `Sequence` that the scheduler places in a
+KV-cache slot of its own. The request's future resolves once every sample has finished.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no limit
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one; 0 = no limit
+    max_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()  # end the sample, like EOS; the stop token is part of the output
+    stop: tuple[str, ...] = ()  # end the sample once its decoded text contains one of these
+    seed: int | None = None  # sample i draws from a generator seeded with seed + i
+    top_logprobs: int = 0  # alternatives recorded per token
+
+
+@dataclass
+class Completion:
+    """One sample. `logprobs[t]` = log_softmax(logits / temperature)[token_ids[t]], before top-k/top-p/min-p."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    policy_versions: list[int]
+    top_logprobs: list[list[tuple[int, float]]]  # per token: (token id, logprob), most likely first
+    finish_reason: str  # "stop" (EOS, stop token, stop string) or "length" (max_tokens)
+
+
+TokenCallback = Callable[[int, int, float, list[tuple[int, float]], int, str | None], None]
+"""`on_token(sample_index, token_id, logprob, top_logprobs, policy_version, finish_reason)`: called from the
+decoding thread right after a token is appended (finish_reason is set on a sample's last token). Streaming
+uses it; it must return quickly and never raise."""
+
+
+class PendingRequest:
+    """A request in the engine: its future resolves once all n samples are finished."""
+
+    def __init__(self, request: GenerationRequest, seeds: list[int], on_token: TokenCallback | None = None):
+        self.request = request
+        self.on_token = on_token
+        self.future: Future[list[Completion]] = Future()
+        self.sequences = [Sequence(self, index, seed) for index, seed in enumerate(seeds)]
+        self.started = False  # a sample of it has been admitted (its prompt tokens are counted then)
+        self._unfinished = len(seeds)
+
+    def sequence_finished(self) -> None:
+        self._unfinished -= 1
+        if self._unfinished == 0:
+            self._resolve(lambda: self.future.set_result([sequence.completion() for sequence in self.sequences]))
+
+    def fail(self, error: BaseException) -> None:
+        self._resolve(lambda: self.future.set_exception(error))
+
+    def _resolve(self, settle: Callable[[], None]) -> None:
+        # The caller may cancel the future from its own thread at any moment; then nobody is waiting.
+        try:
+            settle()
+        except InvalidStateError:
+            pass
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample being generated. Its random draws come from its own generator, seeded per sample, so a
+    seeded request samples the same tokens whatever else shares the batch."""
+
+    request: PendingRequest
+    index: int
+    seed: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+
+    @property
+    def params(self) -> GenerationRequest:
+        return self.request.request
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + generated tokens; all but the newest are in the KV cache."""
+        return len(self.request.request.prompt_ids) + len(self.token_ids)
+
+    @property
+    def abandoned(self) -> bool:
+        """The caller cancelled the request, or another sample of it failed: no one will read this one."""
+        return self.request.future.done()
+
+    def completion(self) -> Completion:
+        assert self.finish_reason is not None
+        return Completion(self.token_ids, self.logprobs, self.policy_versions, self.top_logprobs, self.finish_reason)

@@ -1,0 +1,73 @@
+"""The engine's own forward passes against Hugging Face's, and the padding CUDA graphs add."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncrl.errors import AsyncRLError
+from asyncrl.inference.kv_cache import KVCache
+from asyncrl.inference.model_runner import ModelRunner, check_supported
+from asyncrl.models import init_model
+
+PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [40, 41, 42]]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("runner") / "tiny"
+    init_model(path, "tiny", seed=3)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def runner_for(model, num_slots: int = 8, max_len: int = 32) -> ModelRunner:
+    config = model.config
+    cache = KVCache(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, num_slots, max_len,
+                    torch.float32, torch.device("cpu"))  # fmt: skip
+    return ModelRunner(model, cache, cuda_graphs=False)
+
+
+def last_logits(model, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0, -1]
+
+
+@torch.inference_mode()
+def test_prefill_and_decode_match_the_hugging_face_forward(model):
+    runner = runner_for(model)
+    # Slots 0-1 share prompt 0 (two samples of one request), slot 2 gets prompt 2, slot 3 prompt 1.
+    logits = runner.prefill(PROMPTS, rows=[0, 0, 2, 1], first_slot=0)
+    for prompt, row in zip(PROMPTS, logits):
+        assert torch.allclose(row, last_logits(model, prompt), atol=1e-5)
+    next_tokens = [11, 12, 13, 14]
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[2], PROMPTS[1]]
+    decoded = runner.decode(next_tokens, [len(p) for p in prompts])
+    for prompt, token, row in zip(prompts, next_tokens, decoded):
+        assert torch.allclose(row, last_logits(model, prompt + [token]), atol=1e-5)
+
+
+@torch.inference_mode()
+def test_padding_the_batch_and_context_as_cuda_graphs_do_changes_no_logits(model):
+    runner = runner_for(model)
+    runner.prefill(PROMPTS, rows=[0, 1, 2], first_slot=0)
+    tokens, positions = [11, 12, 13], [len(p) for p in PROMPTS]
+    exact = runner.decode(tokens, positions).clone()
+    runner.tokens[:8] = torch.tensor(tokens + [0] * 5)
+    runner.positions[:8] = torch.tensor(positions + [0] * 5)
+    padded = runner._decode_step(batch=8, context=32)  # what the graph of bucket (8, 32) computes
+    assert torch.allclose(padded[:3], exact, atol=1e-6)
+
+
+@torch.inference_mode()
+def test_a_moved_slot_decodes_as_before(model):
+    runner = runner_for(model)
+    runner.prefill(PROMPTS, rows=[0, 1, 2], first_slot=0)
+    runner.cache.move(source=2, target=0, length=len(PROMPTS[2]))
+    [row] = runner.decode([13], [len(PROMPTS[2])])
+    assert torch.allclose(row, last_logits(model, PROMPTS[2] + [13]), atol=1e-5)
+
+
+def test_an_unsupported_architecture_is_refused_with_the_fix(model):
+    config = model.config.__class__(**{**model.config.to_dict(), "hidden_act": "gelu"})
+    with pytest.raises(AsyncRLError, match="activation is 'gelu'.*vLLM"):
+        check_supported(config)
