@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -146,6 +147,22 @@ def test_a_prompt_longer_than_seq_len_is_a_400(http, client):
         client.completions.create(model="tiny", prompt="x" * SEQ_LEN, max_tokens=1)
 
 
+def test_inference_generate_speaks_vllm_s_token_route(http):
+    body = {"token_ids": [3, 4, 5], "sampling_params": {"n": 2, "max_tokens": 6, "seed": 9, "logprobs": 2}}
+    response = http.post("/inference/v1/generate", json=body)
+    assert response.status_code == 200, response.text
+    result = response.json()
+    ours = generate(http, prompt_ids=[3, 4, 5], n=2, max_tokens=6, seed=9)
+    assert result["usage"]["prompt_tokens"] == 3 and len(result["choices"]) == 2
+    for choice, expected in zip(result["choices"], ours["choices"]):
+        assert choice["token_ids"] == expected["token_ids"]
+        content = choice["logprobs"]["content"]
+        assert [entry["token"] for entry in content] == [f"token_id:{t}" for t in expected["token_ids"]]
+        assert [entry["logprob"] for entry in content] == expected["logprobs"]
+        assert all(len(entry["top_logprobs"]) == 2 for entry in content)
+        assert choice["policy_versions"] == expected["policy_versions"]
+
+
 def test_a_misspelled_field_is_a_400(http):
     response = http.post("/v1/generate", json={"prompt_ids": [1], "max_token": 3})
     assert response.status_code == 400 and "max_token" in response.json()["error"]["message"]
@@ -198,9 +215,78 @@ def test_completions_stop_string_cuts_the_text(client):
     assert stopped.finish_reason == "stop" and stopped.text == free[: free.index(stop)]
 
 
-def test_streaming_is_refused_clearly(client):
-    with pytest.raises(openai.BadRequestError, match="stream"):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], stream=True)
+def first_printable(text: str) -> str:
+    return next(ch for ch in text[1:] if ch.isascii() and ch.isprintable())
+
+
+def test_chat_streaming_adds_up_to_the_unstreamed_answer(client):
+    request = dict(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=24, seed=3, logprobs=True
+    )
+    stop = first_printable(client.chat.completions.create(**request).choices[1].message.content)
+    plain = client.chat.completions.create(**request, stop=[stop], top_logprobs=2)
+    chunks = list(
+        client.chat.completions.create(
+            **request, stop=[stop], top_logprobs=2, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    text, logprobs, top, finish = ["", ""], [[], []], [[], []], [None, None]
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        text[choice.index] += choice.delta.content or ""
+        for entry in choice.logprobs.content:
+            logprobs[choice.index].append(entry.logprob)
+            top[choice.index].append([alternative.token for alternative in entry.top_logprobs])
+        finish[choice.index] = choice.finish_reason or finish[choice.index]
+    assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert plain.choices[1].finish_reason == "stop"
+    for index, choice in enumerate(plain.choices):
+        assert text[index] == choice.message.content
+        assert finish[index] == choice.finish_reason
+        assert logprobs[index] == [entry.logprob for entry in choice.logprobs.content]
+        assert top[index] == [[alt.token for alt in entry.top_logprobs] for entry in choice.logprobs.content]
+
+
+def test_completions_streaming_with_the_async_client(server):
+    async def both() -> tuple:
+        client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="x")
+        request = dict(model="tiny", prompt=["hello", "bye"], n=2, max_tokens=12, seed=11, logprobs=1)
+        plain = await client.completions.create(**request)
+        texts, logprobs = [""] * 4, [[] for _ in range(4)]
+        async for chunk in await client.completions.create(**request, stream=True):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+                logprobs[choice.index] += choice.logprobs.token_logprobs
+        await client.close()
+        return plain, texts, logprobs
+
+    plain, texts, logprobs = asyncio.run(both())
+    assert len(plain.choices) == 4
+    assert texts == [choice.text for choice in plain.choices]
+    assert logprobs == [choice.logprobs.token_logprobs for choice in plain.choices]
+
+
+def test_a_stream_that_cannot_start_is_a_plain_400(client):
+    with pytest.raises(openai.BadRequestError, match="seq_len"):
+        client.completions.create(model="tiny", prompt="x" * SEQ_LEN, max_tokens=1, stream=True)
+
+
+def test_errors_have_openai_s_shape_and_exception_classes(client):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="tiny", messages=[], max_tokens=2)
+    assert bad.value.status_code == 400 and bad.value.param == "messages"
+    assert set(bad.value.body) == {"message", "type", "param", "code"}
+    assert bad.value.type == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.models.retrieve("some-other-model")
+    assert client.models.retrieve(client.models.list().data[0].id).owned_by == "asyncrl"
+
+
+def test_min_p_one_keeps_only_the_likeliest_token(client):
+    request = dict(model="tiny", prompt="hello", max_tokens=8, seed=0)
+    greedy = client.completions.create(**request, temperature=0).choices[0].text
+    assert client.completions.create(**request, temperature=1.0, extra_body={"min_p": 1.0}).choices[0].text == greedy
 
 
 # ---- status ----
@@ -213,7 +299,10 @@ def test_health_and_metrics(http):
     metrics = dict(line.split() for line in http.get("/metrics").text.splitlines() if line and not line.startswith("#"))
     assert float(metrics["asyncrl_inference_generated_tokens_total"]) >= 3
     assert metrics["asyncrl_inference_policy_version"] == str(health["policy_version"])
-    assert {"asyncrl_inference_running_sequences", "asyncrl_inference_waiting_sequences"} <= metrics.keys()
+    assert float(metrics["asyncrl_inference_prompt_tokens_total"]) >= 1
+    gauges = ("running_requests", "waiting_requests", "kv_cache_used_tokens", "kv_cache_total_tokens", "paused")
+    assert {f"asyncrl_inference_{name}" for name in gauges} <= metrics.keys()
+    assert float(metrics["asyncrl_inference_kv_cache_total_tokens"]) > 0
 
 
 # ---- admin ----
@@ -250,7 +339,7 @@ def test_paused_requests_wait_and_finish_after_resume(http):
             pending = pool.submit(generate, http, prompt_ids=[1, 2], max_tokens=4)
             time.sleep(0.5)
             assert not pending.done()
-            assert "asyncrl_inference_waiting_sequences 1" in http.get("/metrics").text
+            assert "asyncrl_inference_waiting_requests 1" in http.get("/metrics").text
             assert http.post("/admin/resume", headers=ADMIN).status_code == 200
             assert len(pending.result(timeout=30)["choices"][0]["token_ids"]) >= 1
     finally:
@@ -280,6 +369,48 @@ def test_update_weights_makes_a_new_policy_version_live(http, model_dir, tokeniz
         http.post("/admin/update_weights", headers=ADMIN, json={"path": str(restored), "version": 2})
 
 
+def metric(http: httpx.Client, name: str) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith(f"asyncrl_inference_{name} "):
+            return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
+def test_a_request_in_flight_is_paused_then_finishes_under_the_new_weights(http, model_dir, tokenizer, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter, generator=torch.Generator().manual_seed(2)))
+    folder = publish(tmp_path, 7, model.state_dict(), model.config, tokenizer)
+    old_version = http.get("/health").json()["policy_version"]
+    before = metric(http, "generated_tokens_total")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            # Greedy decoding of this prompt never meets EOS with the base weights: the request runs long.
+            pending = pool.submit(generate, http, prompt_ids=[5, 6, 7], max_tokens=SEQ_LEN - 3, temperature=0.0)
+            deadline = time.monotonic() + 60
+            while metric(http, "generated_tokens_total") < before + 5 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert http.post("/admin/pause", headers=ADMIN).status_code == 200
+            done_before_pause = metric(http, "generated_tokens_total") - before
+            time.sleep(0.3)
+            assert metric(http, "generated_tokens_total") - before == done_before_pause  # paused, not dropped
+            assert not pending.done()
+            update = http.post("/admin/update_weights", headers=ADMIN, json={"path": str(folder), "version": 7})
+            assert update.status_code == 200
+            assert http.post("/admin/resume", headers=ADMIN).status_code == 200
+            [choice] = pending.result(timeout=120)["choices"]
+        old = int(done_before_pause)
+        assert 5 <= old < len(choice["token_ids"])
+        assert choice["policy_versions"] == [old_version] * old + [7] * (len(choice["token_ids"]) - old)
+    finally:  # later tests expect the base weights
+        http.post("/admin/resume", headers=ADMIN)
+        model.load_state_dict(base)
+        restored = publish(tmp_path, 8, model.state_dict(), model.config, tokenizer)
+        http.post("/admin/update_weights", headers=ADMIN, json={"path": str(restored), "version": 8})
+
+
 def test_update_weights_from_a_missing_folder_is_refused_and_serving_goes_on(http, tmp_path):
     version = http.get("/health").json()["policy_version"]
     missing = tmp_path / "weights" / "step_9"
@@ -302,3 +433,11 @@ def test_a_port_in_use_fails_with_one_line(model_dir):
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     assert f"port {port} on 127.0.0.1 is in use" in result.stderr.strip().splitlines()[-1]
+
+
+def test_the_vllm_backend_without_vllm_fails_with_one_line(model_dir):
+    # This test's Python (the project's venv) has no vllm; the vLLM backend must say so before starting it.
+    command = [*inference_command(model_dir, 0), "--backend", "vllm", "--vllm.python", sys.executable]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert f"vllm is not installed for {sys.executable}" in result.stderr.strip().splitlines()[-1]
