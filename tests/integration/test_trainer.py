@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -206,3 +207,30 @@ def test_sft_lowers_the_loss_and_writes_a_loadable_model(tmp_path, tiny_model):
     model = AutoModelForCausalLM.from_pretrained(output_dir / "final")
     assert model.config.vocab_size == VOCAB
     assert (output_dir / "final" / "tokenizer.json").exists()
+
+
+def bench_args(tiny_model: Path, *extra: str) -> list[str]:
+    return ["trainer", "--bench", "--model.name", str(tiny_model), "--num-threads", "1", *extra]
+
+
+def test_bench_times_the_fsdp_step_on_two_ranks_and_prints_its_figures(tiny_model):
+    result = run_asyncrl(
+        bench_args(tiny_model, "--seq-len", "256", "--bench.documents", "4", "--bench.steps", "2"),
+        nproc=2,
+    )
+    assert "tokens/s | MFU n/a (unknown peak)" in result.stdout
+    figures = json.loads(result.stdout.split("bench-json: ")[1].splitlines()[0])
+    assert figures["ranks"] == 2 and figures["steps"] == 2 and figures["attention"] == "document"
+    assert figures["tokens_per_s"] == pytest.approx(2 * 256 / figures["step_time_s"])
+    assert figures["peak_memory_gib"] > 0 and figures["mfu"] is None  # no known peak FLOP/s on a CPU
+
+
+def test_bench_names_a_row_it_cannot_split_into_equal_documents(tiny_model):
+    result = subprocess.run(
+        [sys.executable, "-m", "asyncrl", *bench_args(tiny_model, "--seq-len", "100", "--bench.documents", "3")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "seq_len 100 is not a multiple of bench.documents 3" in result.stderr

@@ -1,28 +1,41 @@
 """The trained model: load a Hugging Face causal LM in float32, shard it with FSDP2, optimize it, gather it back.
 
-Parallelism is applied to the plain model by `parallelize`, kept apart from loading (as in torchtitan),
-so RL, SFT and benchmarks share one code path for 1..N ranks.
+Parallelism is applied to the plain model by `parallelize`, kept apart from loading (as in torchtitan):
+activation checkpointing, then torch.compile, then FSDP2 on each decoder layer and the root. RL, SFT and
+`asyncrl trainer --bench` share this one code path for 1..N ranks (docs/trainer.md).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from asyncrl.config.schema import ModelConfig, OptimConfig
+from asyncrl.config.schema import ModelConfig, OptimConfig, PerfConfig
 from asyncrl.errors import AsyncRLError
 from asyncrl.loading import load_model
+from asyncrl.trainer.attention import DOCUMENT_ATTENTION
+from asyncrl.trainer.logprobs import defer_lm_head
+from asyncrl.trainer.lora import apply_lora
 
 
-def setup_model(model_cfg: ModelConfig, device: torch.device) -> PreTrainedModel:
-    """Master weights are always float32; `model.dtype = "bfloat16"` only sets the compute dtype (FSDP2)."""
-    model = load_model(model_cfg, device, dtype=torch.float32)
+def setup_model(model_cfg: ModelConfig, device: torch.device, perf: PerfConfig) -> PreTrainedModel:
+    """Master weights are always float32; `model.dtype = "bfloat16"` only sets the compute dtype (FSDP2).
+    With `model.lora` only adapters train; they are added here, before sharding, so they shard with their layers."""
+    return apply_lora(prepare_model(load_model(model_cfg, device, dtype=torch.float32), perf), model_cfg.lora)
+
+
+def prepare_model(model: PreTrainedModel, perf: PerfConfig) -> PreTrainedModel:
+    """Make a loaded model a trained one: no KV cache, the chosen attention, an LM head applied in chunks."""
     model.config.use_cache = False  # packed rows need it (NOTES.md), and training never reuses a cache
+    if perf.attention == "document":
+        model.set_attn_implementation(DOCUMENT_ATTENTION)
+    defer_lm_head(model)
     model.train()
     return model
 
@@ -36,11 +49,19 @@ def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     return layers
 
 
-def parallelize(
-    model: PreTrainedModel, world_size: int, device: torch.device, dtype: str = "float32"
-) -> PreTrainedModel:
-    """FSDP2: shard each decoder layer, then the root (embeddings, final norm, LM head).
+def is_checkpointed(layer_index: int, activation_checkpointing: str) -> bool:
+    """selective: every other layer (the odd ones), halving saved activations for a sixth more compute."""
+    return activation_checkpointing == "full" or (activation_checkpointing == "selective" and layer_index % 2 == 1)
 
+
+def parallelize(
+    model: PreTrainedModel, world_size: int, device: torch.device, dtype: str, perf: PerfConfig
+) -> PreTrainedModel:
+    """Per decoder layer: activation checkpointing, torch.compile, FSDP2 shard; then shard the root
+    (embeddings, final norm, LM head).
+
+    The wrappers change parameter names (`_checkpoint_wrapped_module.`, `_orig_mod.`);
+    `get_model_state_dict` strips them, so published weights and checkpoints keep the model's own names.
     Gradients are summed over ranks, not averaged: every loss is already divided by the token count of
     the global batch, so an average would shrink gradients by the number of ranks.
     """
@@ -50,9 +71,17 @@ def parallelize(
         if dtype == "bfloat16"
         else MixedPrecisionPolicy()
     )
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    # The AdamW step then runs on the CPU, on the CPU copies of the shards.
+    offload_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if perf.cpu_offload else OffloadPolicy()
+    layers = decoder_layers(model)
+    for index, layer in enumerate(list(layers)):
+        if is_checkpointed(index, perf.activation_checkpointing):
+            layer = checkpoint_wrapper(layer)
+        if perf.compile:
+            layer = torch.compile(layer)
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+        layers[index] = layer
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # A plain SUM reduction (gloo has no pre-multiplied sum) divided by 1.
@@ -73,13 +102,6 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
 
 def make_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
-
-
-def learning_rate(step: int, optim: OptimConfig) -> float:
-    """Linear warmup over `warmup_steps` (1-based step 1 gets lr / warmup_steps), then constant."""
-    if optim.warmup_steps == 0:
-        return optim.lr
-    return optim.lr * min(1.0, step / optim.warmup_steps)
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
