@@ -1,13 +1,17 @@
-"""SFT data: the loss mask covers the assistant's answer and nothing else; packing keeps samples apart."""
+"""SFT data: the loss mask covers the assistant's answer and nothing else; packing keeps samples apart; the
+held-out eval split is seeded and never trained on."""
 
 from __future__ import annotations
+
+from itertools import islice
 
 import pytest
 import torch
 
+from asyncrl.environments.reverse_text import ReverseText
 from asyncrl.errors import AsyncRLError
 from asyncrl.models import build_tokenizer
-from asyncrl.trainer.sft import SFTSample, pack_samples, padding_row, tokenize_sft
+from asyncrl.trainer.sft import SFTSample, pack_samples, padding_row, split_held_out, tokenize_sft
 
 MESSAGES = [
     {"role": "system", "content": "Reverse the text."},
@@ -70,3 +74,18 @@ def test_padding_row_has_no_loss_token():
     row = padding_row(0)
     assert row.input_ids.tolist() == [0] and not bool(row.loss_mask.any())
     assert row.position_ids.dtype == torch.int64
+
+
+def test_held_out_split_is_the_seeded_streams_start_and_never_trained_on():
+    one_letter = ReverseText(min_length=1, max_length=1)  # 26 distinct examples: the stream repeats them
+    held_out, training = split_held_out(one_letter.examples(0), 6)
+    assert held_out == list(islice(one_letter.examples(0), 6))
+    trained = list(islice(training, 300))
+    assert len(trained) == 300
+    assert {e.answer for e in trained}.isdisjoint(e.answer for e in held_out)
+    assert len({e.answer for e in trained}) == 26 - len({e.answer for e in held_out})
+
+
+def test_without_a_held_out_split_training_gets_the_whole_stream():
+    held_out, training = split_held_out(ReverseText().examples(0), 0)
+    assert held_out == [] and list(islice(training, 5)) == list(islice(ReverseText().examples(0), 5))

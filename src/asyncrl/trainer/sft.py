@@ -4,37 +4,45 @@
         take batch_size examples → this rank's share → chat template → pack into rows of seq_len
         for each row: forward → -log p(assistant tokens) / N → backward      (N: assistant tokens, all ranks)
         clip → AdamW step → log
-    save a complete Hugging Face model to output_dir/final
+        every eval.interval steps: -log p of the held-out examples' answers → eval/loss
+        every ckpt.interval steps: checkpoint (model, optimizer, step, generators, examples drawn)
+    save a complete Hugging Face model to output_dir/final (with LoRA: the adapter merged into the base)
 
 Same model, FSDP2 and optimizer code as the RL trainer, so `asyncrl rl` starts from `final/` directly.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from asyncrl import checkpoints
 from asyncrl.config.schema import SFTConfig
 from asyncrl.environments import load_environment
-from asyncrl.environments.base import Messages
+from asyncrl.environments.base import Example, Messages
 from asyncrl.errors import AsyncRLError
 from asyncrl.loading import load_tokenizer
 from asyncrl.metrics import MetricsLogger
-from asyncrl.trainer.distributed import all_reduce_sum, close_distributed, init_distributed, max_over_ranks
-from asyncrl.trainer.loss import token_logprobs
+from asyncrl.trainer import checkpoint
+from asyncrl.trainer.checkpoint import TrainerProgress
+from asyncrl.trainer.distributed import World, all_reduce_sum, close_distributed, init_distributed, max_over_ranks
+from asyncrl.trainer.logprobs import compute_logprobs
+from asyncrl.trainer.lora import is_lora, merged_state_dict
 from asyncrl.trainer.model import (
     clip_grad_norm,
     full_state_dict,
-    learning_rate,
     make_optimizer,
     parallelize,
     set_learning_rate,
     setup_model,
 )
+from asyncrl.trainer.schedule import learning_rate
 from asyncrl.transport.weights import save_model_folder
 
 END_OF_TURN = "<|im_end|>"
@@ -101,15 +109,68 @@ def padding_row(pad_token_id: int) -> PackedRow:
     return PackedRow(torch.tensor([pad_token_id]), torch.tensor([0]), torch.tensor([False]))
 
 
+def rank_rows(
+    examples: list[Example], tokenizer: PreTrainedTokenizerBase, seq_len: int, world: World, pad_token_id: int
+) -> list[PackedRow]:
+    """This rank's share of `examples`, chat-templated and packed, padded with empty rows to the most rows any
+    rank has (FSDP needs the same number of forward passes on every rank)."""
+    samples = [tokenize_sft(tokenizer, ex.sft_messages()) for ex in examples[world.rank :: world.world_size]]
+    rows = pack_samples(samples, seq_len)
+    return rows + [padding_row(pad_token_id)] * (max_over_ranks(len(rows), world.device) - len(rows))
+
+
+def split_held_out(examples: Iterator[Example], size: int) -> tuple[list[Example], Iterator[Example]]:
+    """The eval split is the stream's first `size` examples. Training draws the rest, skipping any example
+    equal to a held-out one (generated data repeats itself), so the two never share an example."""
+    held_out = list(islice(examples, size))
+    if not held_out:
+        return [], examples
+    seen = {_identity(example) for example in held_out}
+    return held_out, (example for example in examples if _identity(example) not in seen)
+
+
+def _identity(example: Example) -> str:
+    return json.dumps(example.sft_messages(), sort_keys=True)
+
+
+@torch.no_grad()
+def eval_loss(model: torch.nn.Module, rows: list[PackedRow], device: torch.device, chunk_size: int) -> float:
+    """Mean -log p of the answer tokens of the held-out examples, over all ranks. A collective."""
+    sums = torch.zeros(2, device=device)
+    for row in rows:
+        input_ids, mask = row.input_ids.to(device), row.loss_mask.to(device)
+        logprobs, _ = compute_logprobs(model, input_ids, row.position_ids.to(device), chunk_size=chunk_size)
+        sums += torch.stack([-torch.where(mask, logprobs, 0.0).sum(), mask.sum().float()])
+    nll, tokens = all_reduce_sum(sums).tolist()
+    return nll / max(tokens, 1.0)
+
+
 def train_sft(cfg: SFTConfig) -> int:
     world = init_distributed(cfg.device, cfg.num_threads, cfg.seed)
     try:
         tokenizer = load_tokenizer(cfg.model.name)
-        model = parallelize(setup_model(cfg.model, world.device), world.world_size, world.device, cfg.model.dtype)
+        model = setup_model(cfg.model, world.device, cfg.perf)
+        model = parallelize(model, world.world_size, world.device, cfg.model.dtype, cfg.perf)
         optimizer = make_optimizer(model, cfg.optim)
         environment = load_environment(cfg.data.environment.name, **cfg.data.environment.args)
-        examples = environment.examples(cfg.seed)  # endless; every rank draws the same stream
+        # Endless; every rank draws the same stream. The held-out split is its first examples.
+        held_out, examples = split_held_out(environment.examples(cfg.seed), cfg.eval.size)
         pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        eval_rows = rank_rows(held_out, tokenizer, cfg.seq_len, world, pad_token_id) if held_out else []
+        progress = TrainerProgress(step=0)
+        if cfg.resume is not None:
+            progress = checkpoint.resume(
+                cfg.output_dir, checkpoints.SFT_PARTS, cfg.resume.step, model, optimizer, world
+            )
+            examples = islice(examples, progress.examples_drawn, None)
+            if world.is_main:
+                checkpoints.rewind(cfg.output_dir, progress.step)
+        elif checkpoints.saved_steps(cfg.output_dir):
+            raise AsyncRLError(
+                f"output_dir '{cfg.output_dir}' holds checkpoints of an earlier run (steps "
+                f"{', '.join(map(str, checkpoints.saved_steps(cfg.output_dir)))}); continue it with --resume, "
+                "or set output_dir to a new folder"
+            )
         logger = MetricsLogger(cfg.output_dir, "sft") if world.is_main else None
         if world.is_main:
             print(
@@ -118,25 +179,22 @@ def train_sft(cfg: SFTConfig) -> int:
                 flush=True,
             )
 
-        for step in range(1, cfg.max_steps + 1):
+        for step in range(progress.step + 1, cfg.max_steps + 1):
             step_start = time.time()
             batch = list(islice(examples, cfg.data.batch_size))
-            samples = [tokenize_sft(tokenizer, ex.sft_messages()) for ex in batch[world.rank :: world.world_size]]
-            rows = pack_samples(samples, cfg.seq_len)
-            rows += [padding_row(pad_token_id)] * (max_over_ranks(len(rows), world.device) - len(rows))
+            progress = TrainerProgress(step, progress.examples_drawn + len(batch))
+            rows = rank_rows(batch, tokenizer, cfg.seq_len, world, pad_token_id)
 
             local = torch.tensor(
                 [sum(int(r.loss_mask.sum()) for r in rows), sum(r.input_ids.numel() for r in rows)], device=world.device
             )
             answer_tokens, total_tokens = (int(v) for v in all_reduce_sum(local))
-            lr = set_learning_rate(optimizer, learning_rate(step, cfg.optim))
+            lr = set_learning_rate(optimizer, learning_rate(step, cfg.optim, cfg.max_steps))
             loss_sum = torch.zeros((), device=world.device)
             for row in rows:
                 input_ids, mask = row.input_ids.to(world.device), row.loss_mask.to(world.device)
-                logits = model(
-                    input_ids=input_ids[None], position_ids=row.position_ids.to(world.device)[None], use_cache=False
-                ).logits[0]
-                logprobs, _ = token_logprobs(logits, input_ids)
+                position_ids = row.position_ids.to(world.device)
+                logprobs, _ = compute_logprobs(model, input_ids, position_ids, chunk_size=cfg.perf.logprob_chunk_size)
                 loss = -torch.where(mask, logprobs, 0.0).sum() / max(answer_tokens, 1)
                 loss.backward()
                 loss_sum += loss.detach()
@@ -145,12 +203,22 @@ def train_sft(cfg: SFTConfig) -> int:
             optimizer.zero_grad(set_to_none=True)
             loss = float(all_reduce_sum(loss_sum))
 
-            if world.is_main and step % cfg.log_interval == 0:
+            metrics = {}
+            if step % cfg.log_interval == 0:
                 tokens_per_s = total_tokens / max(time.time() - step_start, 1e-9)
-                logger.log(step, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "perf/tokens_per_s": tokens_per_s})
-                print(f"step {step} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_s:.0f} tok/s", flush=True)
+                metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "perf/tokens_per_s": tokens_per_s}
+            if eval_rows and (step % cfg.eval.interval == 0 or step == cfg.max_steps):
+                metrics["eval/loss"] = eval_loss(model, eval_rows, world.device, cfg.perf.logprob_chunk_size)
+            if world.is_main and metrics:
+                logger.log(step, metrics)
+                print(f"step {step} | " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()), flush=True)
+            if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
+                checkpoint.save(cfg.output_dir, progress, model, optimizer, world)
+                if world.is_main:
+                    checkpoints.prune(cfg.output_dir, checkpoints.SFT_PARTS, cfg.ckpt.keep_last)
 
-        state_dict = full_state_dict(model)  # collective: every rank takes part
+        # Collectives: every rank takes part. With LoRA the result is the base model with the adapter merged in.
+        state_dict = merged_state_dict(model) if is_lora(model) else full_state_dict(model)
         if world.is_main:
             final = save_model_folder(
                 cfg.output_dir / "final", state_dict, model.config, tokenizer, model.generation_config
