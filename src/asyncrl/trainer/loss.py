@@ -1,4 +1,4 @@
-"""Per-token logprobs and the default RL loss (DESIGN.md "The default loss"; formulas in docs/loss.md).
+"""The RL losses (DESIGN.md "The default loss"; formulas of all in docs/loss.md); logprobs: logprobs.py.
 
 Every stream is aligned with `input_ids`: stream[t] describes token t. The logits that predict token t
 come from position t - 1, so position 0 of a row (and of each packed sample) has no logprob of its own;
@@ -7,64 +7,123 @@ it is never a loss token.
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-
-def token_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperature: torch.Tensor | float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """log softmax(logits / T) of each token of a row, and the entropy of the distribution it was drawn from.
-
-    logits: [T, V] for one (packed) row; input_ids: [T]; temperature: scalar or [T] (the temperature
-    token t was sampled at). Returns two float32 [T] tensors aligned with input_ids; index 0 is 0.
-    At the first token of a later packed sample the values are meaningless (its logits come from the
-    previous sample); the loss mask excludes them.
-    """
-    temperature = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
-    if temperature.dim() == 1:
-        temperature = temperature[1:, None]
-    scaled = logits[:-1].float() / temperature
-    logprobs_all = torch.log_softmax(scaled, dim=-1)
-    logprobs = logprobs_all.gather(-1, input_ids[1:, None]).squeeze(-1)
-    with torch.no_grad():  # a metric: no need to keep its graph
-        entropy = -(logprobs_all.exp() * logprobs_all).sum(-1)
-    zero = logprobs.new_zeros(1)
-    return torch.cat([zero, logprobs]), torch.cat([zero, entropy])
+from asyncrl.config.schema import LossConfig
 
 
-def rl_loss(
-    logprobs: torch.Tensor,
-    inference_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    total_loss_tokens: int,
-    delta_low: float,
-    delta_high: float,
-    kl_tau: float,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """This micro-batch's share of the global loss: sum over its loss tokens of l_t, divided by N.
+@dataclass
+class LossInputs:
+    """One packed micro-batch as a loss sees it: [T] streams aligned with its tokens (docs/loss.md)."""
 
-    N (`total_loss_tokens`) counts the loss tokens of the whole step on all ranks, so summing the
-    returned losses over micro-batches and ranks gives the loss of the step, however rows were packed.
-    Also returns detached per-token sums (mismatch_kl, masked/low, masked/high) for metrics; divide
-    their global sums by N.
-    """
-    mask = loss_mask.bool()
-    # Zero outside the loss tokens, where inference logprobs may be absent (0) or -inf: exp must stay finite.
-    log_ratio = torch.where(mask, logprobs - inference_logprobs, 0.0)
-    ratio = log_ratio.exp()
+    logprobs: torch.Tensor  # log pi_t of the trainer, at the sampling temperature; carries the gradient
+    inference_logprobs: torch.Tensor  # log mu_t recorded at sampling
+    advantages: torch.Tensor  # A_t
+    loss_mask: torch.Tensor  # bool: the tokens the policy sampled
+    position_ids: torch.Tensor  # restart at 0 at each packed sample: how sequence-level losses find samples
+    total_loss_tokens: int  # N: loss tokens of the whole step, all ranks and micro-batches
+
+
+# (loss, sums): this micro-batch's share of the step loss (its tokens' sum of l_t, divided by N) and
+# detached per-token sums for metrics, e.g. {"masked/low": ..., "masked/high": ...}.
+LossFunction = Callable[[LossInputs, LossConfig], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def log_ratio(inputs: LossInputs) -> torch.Tensor:
+    """r_t = log pi_t - log mu_t on loss tokens, 0 elsewhere (where mu may be absent (0) or -inf)."""
+    return torch.where(inputs.loss_mask.bool(), inputs.logprobs - inputs.inference_logprobs, 0.0)
+
+
+def step_share(per_token: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+    """Sum of l_t over this micro-batch's loss tokens, divided by the global loss-token count N."""
+    return torch.where(inputs.loss_mask.bool(), per_token, 0.0).sum() / max(inputs.total_loss_tokens, 1)
+
+
+def default_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Masked importance sampling: l_t = -m_t A_t rho_t + tau r_t^2, m_t = 0 outside the trust region."""
+    mask, advantages = inputs.loss_mask.bool(), inputs.advantages
+    r = log_ratio(inputs)
     with torch.no_grad():
-        pi, mu = logprobs.exp(), inference_logprobs.exp()
-        masked_high = mask & (advantages > 0) & (pi - mu > delta_high)
-        masked_low = mask & (advantages < 0) & (mu - pi > delta_low)
+        pi, mu = inputs.logprobs.exp(), inputs.inference_logprobs.exp()
+        masked_high = mask & (advantages > 0) & (pi - mu > cfg.delta_high)
+        masked_low = mask & (advantages < 0) & (mu - pi > cfg.delta_low)
         keep = mask & ~masked_high & ~masked_low
-    per_token = -(keep * advantages * ratio) + kl_tau * log_ratio**2
-    loss = torch.where(mask, per_token, 0.0).sum() / max(total_loss_tokens, 1)
-    with torch.no_grad():
-        mismatch_kl = torch.where(mask, ratio - log_ratio - 1, 0.0).sum()
-    sums = {
-        "mismatch_kl": mismatch_kl,
+    per_token = -(keep * advantages * r.exp()) + cfg.kl_tau * r**2
+    return step_share(per_token, inputs), {
         "masked/low": masked_low.sum().float(),
         "masked/high": masked_high.sum().float(),
     }
-    return loss, sums
+
+
+def clipped_objective(
+    ratio: torch.Tensor, inputs: LossInputs, cfg: LossConfig
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's pessimistic bound, -min(ratio A, clip(ratio, 1 - clip_low, 1 + clip_high) A) + tau r^2, for a
+    per-token ratio (ppo_clip) or a per-sample one spread over its tokens (gspo)."""
+    mask, advantages = inputs.loss_mask.bool(), inputs.advantages
+    r = log_ratio(inputs)
+    low, high = 1 - cfg.clip_low, 1 + cfg.clip_high
+    surrogate = torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)
+    per_token = -surrogate + cfg.kl_tau * r**2
+    with torch.no_grad():  # where the clipped branch wins, the token gets no policy gradient
+        clipped_high = mask & (advantages > 0) & (ratio > high)
+        clipped_low = mask & (advantages < 0) & (ratio < low)
+    return step_share(per_token, inputs), {
+        "masked/low": clipped_low.sum().float(),
+        "masked/high": clipped_high.sum().float(),
+    }
+
+
+def ppo_clip_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-level ratio rho_t = exp(r_t), clipped as in PPO."""
+    return clipped_objective(log_ratio(inputs).exp(), inputs, cfg)
+
+
+def gspo_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Sequence-level ratio (GSPO, Zheng et al. 2025): s_i = exp(mean of r_t over sample i's loss tokens), the
+    geometric mean of its token ratios, given to every token of the sample, then clipped as in PPO."""
+    mask = inputs.loss_mask.bool()
+    sample = torch.cumsum(inputs.position_ids == 0, dim=0) - 1  # packed sample index of each token
+    num_samples = int(sample[-1]) + 1
+    r = log_ratio(inputs)
+    sums = r.new_zeros(num_samples).index_add(0, sample, r)
+    counts = r.new_zeros(num_samples).index_add(0, sample, mask.float())
+    ratio = (sums / counts.clamp(min=1)).exp()[sample]
+    return clipped_objective(ratio, inputs, cfg)
+
+
+BUILT_IN: dict[str, LossFunction] = {"default": default_loss, "ppo_clip": ppo_clip_loss, "gspo": gspo_loss}
+
+
+def import_loss(path: str) -> LossFunction:
+    """The function named by 'module:function' (loss.custom); a bad path is one clear error."""
+    module_name, _, function_name = path.partition(":")
+    if not module_name or not function_name:
+        raise ValueError(f"loss.custom = {path!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"loss.custom = {path!r}: cannot import {module_name!r} ({error})") from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise ValueError(f"loss.custom = {path!r}: {module_name!r} has no function {function_name!r}")
+    return function
+
+
+def rl_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """This micro-batch's share of the step loss under `cfg.type`, plus per-token sums for metrics.
+
+    Summing the returned losses over micro-batches and ranks gives the loss of the step, however rows were
+    packed. The sums (mismatch_kl, masked/low, masked/high) are detached; divide their global sums by N.
+    """
+    function = import_loss(cfg.custom) if cfg.type == "custom" else BUILT_IN[cfg.type]
+    loss, sums = function(inputs, cfg)
+    with torch.no_grad():
+        r = log_ratio(inputs)
+        mismatch_kl = torch.where(inputs.loss_mask.bool(), r.exp() - r - 1, 0.0).sum()
+    zero = mismatch_kl.new_zeros(())
+    return loss, {"mismatch_kl": mismatch_kl, "masked/low": zero, "masked/high": zero, **sums}
