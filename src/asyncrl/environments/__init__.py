@@ -10,9 +10,13 @@ from asyncrl.errors import AsyncRLError
 
 
 def _builtin() -> dict[str, type[Environment]]:
+    from asyncrl.environments.arithmetic import Arithmetic
     from asyncrl.environments.reverse_text import ReverseText
+    from asyncrl.environments.tool_calc import ToolCalc
+    from asyncrl.environments.verifiers_adapter import VerifiersEnvironment
+    from asyncrl.environments.wordle import Wordle
 
-    return {"reverse_text": ReverseText}
+    return {env.name: env for env in (ReverseText, Arithmetic, Wordle, ToolCalc, VerifiersEnvironment)}
 
 
 def _import(path: str) -> type[Environment]:
@@ -36,8 +40,8 @@ def load_environment(name: str, **args: Any) -> Environment:
         )
     try:
         return cls(**args)
-    except TypeError as e:
-        raise AsyncRLError(f"environment '{name}': bad arguments in environment.args: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise AsyncRLError(f"environment '{name}': bad arguments in its args: {e}") from None
 
 
 __all__ = ["Environment", "Example", "load_environment"]

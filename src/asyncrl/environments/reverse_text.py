@@ -29,7 +29,9 @@ class ReverseText(Environment):
         max_length: int = 12,
         alphabet: str = string.ascii_lowercase,
         system_prompt: str | None = None,
+        **limits,
     ):
+        super().__init__(**limits)
         if not 1 <= min_length <= max_length:
             raise ValueError(f"need 1 <= min_length <= max_length, got {min_length} and {max_length}")
         self.min_length = min_length

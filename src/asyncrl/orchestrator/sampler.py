@@ -1,0 +1,56 @@
+"""Which environment, and which of its examples, each group of a batch gets.
+
+Environments share every batch by weight. The choice is deterministic: the next group goes to the
+environment furthest behind its share, `weight / total weight × groups drawn so far` (smooth weighted round
+robin), so the groups drawn from each environment stay within one group of its share, with no randomness
+to restore.
+Each environment's examples come from its own reproducible stream `env.examples(seed)`.
+
+So the sampler's whole state is the number of examples drawn from each environment: `state_dict()` gives it
+as `{"drawn": {label: count}}` (JSON-ready) and `load_state_dict()` on a fresh sampler of the same config
+skips each stream to that point, after which it draws exactly what the saved sampler would have drawn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from asyncrl.environments.base import Environment, Example
+
+
+class EnvironmentSampler:
+    def __init__(self, environments: dict[str, Environment], weights: dict[str, float], seed: int):
+        self.environments = environments
+        self.shares = {label: weights[label] / sum(weights.values()) for label in environments}
+        self.streams: dict[str, Iterator[Example]] = {label: env.examples(seed) for label, env in environments.items()}
+        self.drawn = dict.fromkeys(environments, 0)
+
+    def next_label(self) -> str:
+        total = sum(self.drawn.values()) + 1
+        return max(self.environments, key=lambda label: self.shares[label] * total - self.drawn[label])
+
+    def draw(self, groups: int) -> list[tuple[str, Example]]:
+        """The next `groups` (environment label, example) pairs."""
+        drawn = []
+        for _ in range(groups):
+            label = self.next_label()
+            drawn.append((label, next(self.streams[label])))
+            self.drawn[label] += 1
+        return drawn
+
+    def state_dict(self) -> dict:
+        return {"drawn": dict(self.drawn)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Skip every stream to where the saved sampler was; the saved labels must match this config's."""
+        drawn = state["drawn"]
+        if set(drawn) != set(self.environments):
+            raise ValueError(
+                f"saved environments {sorted(drawn)} differ from the configured {sorted(self.environments)}"
+            )
+        for label, count in drawn.items():
+            if count < self.drawn[label]:
+                raise ValueError(f"environment '{label}' is already past example {count}")
+            for _ in range(count - self.drawn[label]):
+                next(self.streams[label])
+            self.drawn[label] = count
