@@ -16,13 +16,16 @@ commands:
   inference     serve the policy over HTTP (OpenAI-compatible + token routes)
   orchestrator  generate rollouts, score them, compute advantages, write batches
   trainer       train on rollout batches (run under torchrun for several ranks)
+                '--bench': time train steps on random tokens (tokens/s, MFU, memory)
   sft           supervised fine-tuning on chat data
+  eval          avg@n / pass@k of environments against a served model (docs/evals.md)
   model init    build a small model and byte-level tokenizer offline
 
 Config files are layered left to right ('@ a.toml @ b.toml'), then dotted flags override them
 ('--trainer.optim.lr 1e-5'). 'asyncrl rl --dry-run' prints the resolved configs and starts nothing;
-'asyncrl rl --clean' replaces an earlier run in the same output_dir. Every key, with its default and
-meaning: docs/config.md. Example: asyncrl rl @ examples/reverse_text/rl.toml
+'asyncrl rl --clean' replaces an earlier run in the same output_dir; '--resume' (rl, sft) continues it
+from its newest complete checkpoint, '--resume.step N' from step N (docs/checkpoints.md). Every key, with
+its default and meaning: docs/config.md. Example: asyncrl rl @ examples/reverse_text/rl.toml
 """
 
 
@@ -79,8 +82,17 @@ def _run(command: str, argv: list[str]) -> int | None:
         from asyncrl.trainer.rl import train
 
         _redirect_rank_output()
+        config, flags = cfg.load(cfg.TrainerConfig, argv, frozenset({"--bench"}))
+        if "--bench" in flags:
+            from asyncrl.trainer.bench import run_bench
 
-        return train(cfg.load(cfg.TrainerConfig, argv)[0])
+            return run_bench(config)
+        return train(config)
+    if command == "eval":
+        from asyncrl.config.schema import EvalConfig
+        from asyncrl.evals.run import run_eval
+
+        return run_eval(cfg.load(EvalConfig, argv)[0])
     if command == "sft":
         from asyncrl.trainer.sft import train_sft
 

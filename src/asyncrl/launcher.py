@@ -24,7 +24,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from asyncrl import checkpoints
 from asyncrl.config import InferenceConfig, OrchestratorConfig, RLConfig, TrainerConfig, to_toml, write_toml
+from asyncrl.config.schema import ResumeConfig
 from asyncrl.errors import AsyncRLError
 from asyncrl.loading import check_model_name
 
@@ -49,6 +51,10 @@ def resolve(cfg: RLConfig) -> tuple[InferenceConfig, OrchestratorConfig, Trainer
     if inference.port == 0:
         inference.port = free_port(inference.host)
     orchestrator.inference_url = f"http://{inference.host}:{inference.port}"
+    if inference.weight_transfer.mode == "broadcast" and inference.weight_transfer.port == 0:
+        port = free_port(inference.weight_transfer.host)  # one port for the pair: the trainer joins inference
+        for section in (inference, orchestrator, trainer):
+            section.weight_transfer.port = port
     orchestrator.num_trainer_ranks = dep.trainer_ranks
 
     inference.device, trainer.device = _devices(dep)
@@ -92,12 +98,28 @@ def prepare_output_dir(output_dir: Path, clean: bool) -> None:
     if existing and not clean:
         raise AsyncRLError(
             f"output_dir '{output_dir}' already holds a run ({', '.join(existing)}); pass --clean to delete it, "
-            "or set output_dir to a new folder"
+            "--resume to continue it from its last checkpoint, or set output_dir to a new folder"
         )
     for name in existing:
         path = output_dir / name
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     (output_dir / "logs").mkdir(parents=True, exist_ok=True)
+
+
+def resume_run(output_dir: Path, requested: int | None, max_steps: int, clean: bool) -> int:
+    """The checkpoint `asyncrl rl --resume` continues from (`requested`, or the newest whole one); the run
+    folder is rewound to it, so later weights, batches and metric lines are made again."""
+    if clean:
+        raise AsyncRLError("--resume continues the run in output_dir and --clean deletes it; give one of them")
+    step, refused = checkpoints.find_resume_step(output_dir, checkpoints.RL_PARTS, requested)
+    for line in refused:
+        console.print(f"{line}; trying an older one", markup=False, soft_wrap=True)
+    if step >= max_steps:
+        raise AsyncRLError(f"checkpoint step {step} is already at max_steps ({max_steps}); raise max_steps to go on")
+    checkpoints.rewind(output_dir, step)
+    (output_dir / "logs").mkdir(parents=True, exist_ok=True)
+    console.print(f"resuming {output_dir} from checkpoint step {step}", markup=False, soft_wrap=True)
+    return step
 
 
 @dataclass
@@ -263,6 +285,8 @@ def supervise(children: list[Child], progress: Progress) -> None:
 
 def check_port_free(host: str, port: int) -> None:
     with socket.socket() as s:
+        # As the server binds: connections of a run that just ended (TIME_WAIT) do not make the port busy.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -289,7 +313,11 @@ def run_rl(cfg: RLConfig, dry_run: bool = False, clean: bool = False) -> int:
 
     check_model_name(cfg.model.name)
     check_port_free(inference.host, inference.port)
-    prepare_output_dir(output_dir, clean)
+    if cfg.resume is not None:
+        step = resume_run(output_dir, cfg.resume.step, cfg.max_steps, clean)
+        trainer.resume = orchestrator.resume = ResumeConfig(step=step)
+    else:
+        prepare_output_dir(output_dir, clean)
     # A scheduler's SIGTERM must stop the children too: they run in sessions of their own.
     signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     paths = {}
@@ -347,6 +375,11 @@ def run_rl(cfg: RLConfig, dry_run: bool = False, clean: bool = False) -> int:
         )
         console.print(f"started orchestrator and {cfg.deployment.trainer_ranks} trainer rank(s); logs in {logs}")
         supervise(children, Progress(output_dir / "metrics.jsonl", cfg.max_steps))
+        # The orchestrator ends by itself after its last batch: let it finish logging and checkpointing it.
+        try:
+            next(c for c in children if c.name == "orchestrator").process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
     except ChildFailed as failed:
         child = failed.child
         stop(children)

@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import ConfigError, RLConfig, TrainerConfig, load
+from asyncrl.config.schema import SFTConfig
 from asyncrl.launcher import resolve
 
 
@@ -23,10 +24,15 @@ def test_toml_layers_merge_left_to_right_and_flags_win(tmp_path):
 def test_flags_parse_booleans_lists_and_dashes():
     cfg, flags = load(
         RLConfig,
-        ["--orchestrator.std-normalize", "--trainer.optim.betas", "[0.8, 0.9]", "--dry-run"],
+        [
+            "--orchestrator.environments.reverse-text.advantage.std-normalize",
+            "--trainer.optim.betas",
+            "[0.8, 0.9]",
+            "--dry-run",
+        ],
         frozenset({"--dry-run"}),
     )
-    assert cfg.orchestrator.std_normalize is True
+    assert cfg.orchestrator.environments["reverse_text"].advantage.std_normalize is True
     assert cfg.trainer.optim.betas == (0.8, 0.9)
     assert flags == ["--dry-run"]
 
@@ -77,6 +83,14 @@ def test_section_may_choose_its_own_dtype_but_not_its_own_model():
     assert cfg.trainer.model.dtype == "float32"
     with pytest.raises(ConfigError, match="conflicts with model.name"):
         load(RLConfig, ["--trainer.model.name", "other"])
+
+
+def test_partial_section_keeps_the_defaults_its_parent_sets():
+    # sft's optim defaults (lr 2e-3, 10 warm-up steps) differ from OptimConfig's own.
+    cfg, _ = load(SFTConfig, ["--optim.scheduler", "cosine"])
+    assert (cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.scheduler) == (2e-3, 10, "cosine")
+    cfg, _ = load(SFTConfig, ["--optim.lr", "1e-4"])
+    assert (cfg.optim.lr, cfg.optim.warmup_steps) == (1e-4, 10)
 
 
 def test_batch_must_hold_whole_groups():

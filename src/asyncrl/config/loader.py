@@ -1,6 +1,6 @@
 """Build a config from defaults, `@ file.toml` layers and dotted CLI flags.
 
-    asyncrl rl @ base.toml @ big.toml --trainer.optim.lr 1e-5 --orchestrator.std-normalize
+    asyncrl rl @ base.toml @ big.toml --trainer.optim.lr 1e-5 --orchestrator.environments.arithmetic.weight 2
 
 Layers are deep-merged left to right; flags win over files. Values of flags are read as TOML values
 (`3`, `1e-5`, `true`, `[1, 2]`, `"text"`) and fall back to plain strings.
@@ -129,8 +129,24 @@ def check_keys(model: type[BaseModel], raw: dict[str, Any], prefix: str = "") ->
             check_keys(sub, value, prefix=f"{path}.")
 
 
+def keep_section_defaults(model: type[BaseModel], raw: dict[str, Any]) -> dict[str, Any]:
+    """A section whose default differs from its class defaults (sft's `optim` has lr 2e-3) keeps those values
+    for the keys a partial table leaves out: `--optim.scheduler cosine` must not reset lr to the class default."""
+    for key, value in raw.items():
+        field = model.model_fields[key]
+        sub = _submodel(field.annotation)
+        if sub is None or not isinstance(value, dict):
+            continue
+        if isinstance(field.default, BaseModel):
+            for name, default in field.default.model_dump(exclude_defaults=True).items():
+                value.setdefault(name, default)
+        keep_section_defaults(sub, value)
+    return raw
+
+
 def build(model: type[C], raw: dict[str, Any]) -> C:
     check_keys(model, raw)
+    keep_section_defaults(model, raw)
     try:
         return model.model_validate(raw)
     except ValidationError as e:

@@ -5,10 +5,19 @@ python -m asyncrl.config.reference > docs/config.md
 
 from __future__ import annotations
 
+import typing
+
 from pydantic import BaseModel
 
 from asyncrl.config.loader import _submodel
-from asyncrl.config.schema import InferenceConfig, OrchestratorConfig, RLConfig, SFTConfig, TrainerConfig
+from asyncrl.config.schema import (
+    EvalConfig,
+    InferenceConfig,
+    OrchestratorConfig,
+    RLConfig,
+    SFTConfig,
+    TrainerConfig,
+)
 
 COMMANDS = [
     ("asyncrl rl", RLConfig),
@@ -16,7 +25,15 @@ COMMANDS = [
     ("asyncrl orchestrator", OrchestratorConfig),
     ("asyncrl trainer", TrainerConfig),
     ("asyncrl sft", SFTConfig),
+    ("asyncrl eval", EvalConfig),
 ]
+
+
+def _labelled(annotation: object) -> type[BaseModel] | None:
+    """The model of a `dict[str, Model]` field, whose tables are keyed by a label of the user's choosing."""
+    if typing.get_origin(annotation) is dict:
+        return _submodel(typing.get_args(annotation)[1])
+    return None
 
 
 def _rows(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -32,6 +49,10 @@ def _rows(model: type[BaseModel], prefix: str = "") -> list[str]:
             rows.append(f"| `{prefix}{name}.*` | | the `asyncrl {name}` keys below |")
         elif sub is not None:
             rows.extend(_rows(sub, f"{prefix}{name}."))
+        elif _labelled(field.annotation) is not None:  # dict[str, Model]: one table per label
+            labels = ", ".join(field.get_default(call_default_factory=True)) or "none"
+            rows.append(f"| `{prefix}{name}.<label>` | `{labels}` | {field.description or ''} |")
+            rows.extend(_rows(_labelled(field.annotation), f"{prefix}{name}.<label>."))
         else:
             default = field.get_default(call_default_factory=True)
             rows.append(f"| `{prefix}{name}` | `{default!s}` | {field.description or ''} |")

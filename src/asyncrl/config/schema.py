@@ -6,13 +6,28 @@ Every model forbids unknown keys, so a typo fails loudly instead of being ignore
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoRAConfig(Config):
+    rank: int = Field(
+        8, ge=1, description="adapter rank r (B: out x r, A: r x in); LoRA is off until a model.lora key is set"
+    )
+    alpha: float = Field(16.0, gt=0, description="the update B @ A is scaled by alpha / rank")
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="dropout on the adapter's input while training (0 keeps RL logprobs exact)"
+    )
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="names of the linear layers that get an adapter",
+    )
 
 
 class ModelConfig(Config):
@@ -21,6 +36,9 @@ class ModelConfig(Config):
         "float32", description="compute dtype (the trainer keeps fp32 master weights)"
     )
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="transformers attention kernel")
+    lora: LoRAConfig | None = Field(
+        None, description="train LoRA adapters only, publish only them ([model.lora] with defaults turns it on)"
+    )
 
 
 class SamplingConfig(Config):
@@ -30,8 +48,33 @@ class SamplingConfig(Config):
 
 
 class EnvironmentConfig(Config):
-    name: str = Field("reverse_text", description="built-in environment name")
+    name: str = Field("reverse_text", description="built-in environment name, or an import path 'module:Class'")
     args: dict = Field(default_factory=dict, description="keyword arguments of the environment")
+
+
+class AdvantageConfig(Config):
+    estimator: Literal["grpo", "dr_grpo", "rloo"] = Field(
+        "grpo", description="group baseline: grpo (mean), dr_grpo (mean, never std), rloo (leave-one-out mean)"
+    )
+    std_normalize: bool = Field(False, description="grpo only: divide advantages by the group's reward std")
+    length_penalty: float = Field(
+        0.0, ge=0, description="subtract this x (completion tokens / longest in group) from each reward first"
+    )
+
+    @model_validator(mode="after")
+    def _std_only_for_grpo(self) -> AdvantageConfig:
+        if self.std_normalize and self.estimator != "grpo":
+            raise ValueError(f"std_normalize applies to estimator 'grpo' only, not '{self.estimator}'")
+        return self
+
+
+class RLEnvironmentConfig(Config):
+    """One environment of an RL run; its key in `orchestrator.environments` names it in metrics."""
+
+    name: str | None = Field(None, description="built-in name or import path 'module:Class'; default: the key")
+    args: dict = Field(default_factory=dict, description="keyword arguments of the environment")
+    weight: float = Field(1.0, gt=0, description="share of each batch's groups, relative to the other environments")
+    advantage: AdvantageConfig = AdvantageConfig()
 
 
 class OptimConfig(Config):
@@ -39,13 +82,148 @@ class OptimConfig(Config):
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     max_grad_norm: float = Field(1.0, gt=0, description="gradients are clipped to this global norm")
-    warmup_steps: int = Field(0, ge=0, description="linear warm-up from 0 to lr over these steps, then constant")
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up from 0 to lr over these steps, then `scheduler`")
+    scheduler: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="after warm-up: constant lr, or linear / cosine decay to min_lr_ratio x lr at max_steps"
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="linear / cosine: the last step's lr as a fraction of lr")
 
 
 class LossConfig(Config):
+    type: Literal["default", "ppo_clip", "gspo", "custom"] = Field(
+        "default",
+        description="default: masked IS (delta_*); ppo_clip: clipped token ratio; gspo: clipped sequence ratio "
+        "(clip_*); custom: `custom` (docs/loss.md)",
+    )
     delta_low: float = Field(0.2, ge=0, description="trust region below: mask if mu - pi > delta_low and A < 0")
     delta_high: float = Field(0.2, ge=0, description="trust region above: mask if pi - mu > delta_high and A > 0")
+    clip_low: float = Field(0.2, ge=0, le=1, description="ppo_clip / gspo: the ratio is clipped below at 1 - clip_low")
+    clip_high: float = Field(0.2, ge=0, description="ppo_clip / gspo: the ratio is clipped above at 1 + clip_high")
     kl_tau: float = Field(1e-3, ge=0, description="weight of the squared log-ratio term")
+    custom: str | None = Field(
+        None, description="type = 'custom': 'module:function' taking (LossInputs, LossConfig), see docs/loss.md"
+    )
+
+    @model_validator(mode="after")
+    def _custom_loss_importable(self) -> LossConfig:
+        if (self.type == "custom") != (self.custom is not None):
+            raise ValueError("set loss.custom = 'module:function' exactly when loss.type = 'custom'")
+        if self.custom is not None:
+            from asyncrl.trainer.loss import import_loss  # a bad path fails when the config loads, not at step 1
+
+            import_loss(self.custom)
+        return self
+
+
+class CheckpointConfig(Config):
+    interval: int = Field(0, ge=0, description="save checkpoints/step_N every this many steps; 0: never")
+    keep_last: int = Field(2, ge=1, description="newest complete checkpoints kept; older ones are deleted")
+
+
+class ResumeConfig(Config):
+    step: int | None = Field(
+        None, ge=1, description="`--resume.step N`: continue from checkpoint N; `--resume` alone: the newest whole one"
+    )
+
+
+def _resume_flag(value):
+    """A bare `--resume` flag (true) means: from the latest complete checkpoint."""
+    if value is True:
+        return {}
+    return None if value is False else value
+
+
+Resume = Annotated[ResumeConfig | None, BeforeValidator(_resume_flag)]
+
+
+class EvalEnvironmentConfig(Config):
+    """One environment of an eval; its key names it in results and metrics (eval/<label>/avg@n)."""
+
+    name: str | None = Field(None, description="built-in name or import path 'module:Class'; default: the key")
+    args: dict = Field(default_factory=dict, description="keyword arguments of the environment")
+    num_examples: int = Field(32, ge=1, description="held-out examples evaluated (Environment.eval_examples)")
+    pass_threshold: float = Field(1.0, description="a sample passes, for pass@k, when its reward >= this")
+
+
+class EvalSuiteConfig(Config):
+    """What an eval measures; shared by `asyncrl eval` and the online evals of `asyncrl rl` (docs/evals.md)."""
+
+    environments: dict[str, EvalEnvironmentConfig] = Field(
+        default_factory=dict, description="environments by label: [environments.<label>]"
+    )
+    samples_per_example: int = Field(4, ge=1, description="n: samples per example; avg@n is their mean reward")
+    pass_at: list[int] | None = Field(
+        None, description="the k of each pass@k, unbiased from the n samples; default: 1 and n"
+    )
+    max_concurrency: int = Field(32, ge=1, description="examples in flight on the inference server")
+
+    @model_validator(mode="after")
+    def _k_within_samples(self) -> EvalSuiteConfig:
+        bad = [k for k in self.pass_at or () if not 1 <= k <= self.samples_per_example]
+        if bad:
+            raise ValueError(f"pass_at {bad}: each k must be between 1 and samples_per_example")
+        if any("/" in label for label in self.environments):
+            raise ValueError("environment labels name metrics (eval/<label>/avg@n) and may not contain '/'")
+        return self
+
+    @property
+    def pass_ks(self) -> list[int]:
+        return sorted(set(self.pass_at or (1, self.samples_per_example)))
+
+
+class ServedModelConfig(Config):
+    name: str = Field(
+        "models/tiny", description="the served model's name, sent as `model`; the token route loads its tokenizer"
+    )
+
+
+class EvalConfig(EvalSuiteConfig):
+    """The `asyncrl eval` config: environments against a served model."""
+
+    model: ServedModelConfig = ServedModelConfig()
+    inference_url: str = Field("http://127.0.0.1:8000", description="asyncrl inference, vLLM or any OpenAI API")
+    api: Literal["auto", "generate", "chat"] = Field(
+        "auto", description="token route /v1/generate, or /v1/chat/completions; auto: generate when the server has it"
+    )
+    output_dir: Path = Field(Path("outputs/eval"), description="results.jsonl and summary.json go here")
+    sampling: SamplingConfig = SamplingConfig()
+    request_timeout: float = Field(600.0, gt=0, description="seconds for one request")
+    wait_timeout: float = Field(300.0, gt=0, description="seconds to wait for the server to answer /v1/models")
+
+    @model_validator(mode="after")
+    def _has_environments(self) -> EvalConfig:
+        if not self.environments:
+            raise ValueError("no environment to evaluate (add one: [environments.reverse_text])")
+        return self
+
+
+class OnlineEvalConfig(EvalSuiteConfig):
+    """Evals during `asyncrl rl`, on held-out examples, sampled like the training rollouts (`sampling`), logged
+    as eval/<label>/avg@n to metrics.jsonl."""
+
+    environments: dict[str, EvalEnvironmentConfig] = Field(
+        default_factory=dict, description="environments by label; empty: the training environments"
+    )
+    interval: int = Field(0, ge=0, description="evaluate at steps 1, 1 + interval, 1 + 2 x interval, ...; 0: never")
+
+
+class VLLMConfig(Config):
+    """How `backend = "vllm"` starts vLLM's OpenAI server (model, dtype, seq_len and seed come from [inference])."""
+
+    python: str | None = Field(None, description="Python executable that has vllm installed; default: this one")
+    args: list[str] = Field([], description="extra command-line arguments for vLLM's api_server")
+    startup_timeout: float = Field(600.0, gt=0, description="seconds for vLLM to load the model and answer")
+
+
+class WeightTransferConfig(Config):
+    mode: Literal["filesystem", "broadcast"] = Field(
+        "filesystem",
+        description="how new weights reach inference: weights/step_N folders, or a broadcast from trainer rank 0 "
+        "(nccl on GPUs, gloo otherwise; docs/weights.md)",
+    )
+    host: str = Field("127.0.0.1", description="broadcast: address of the inference process; the trainer joins there")
+    port: int = Field(0, ge=0, le=65535, description="broadcast: its port; 0 under `asyncrl rl` picks a free one")
+    timeout: float = Field(600.0, gt=0, description="broadcast: seconds to wait for the peer to join or to transfer")
 
 
 class InferenceConfig(Config):
@@ -53,15 +231,35 @@ class InferenceConfig(Config):
     seq_len: int = Field(2048, ge=8, description="longest prompt + completion the server accepts")
     seed: int = Field(0, description="seed of data order and sampling")
     output_dir: Path = Field(Path("outputs/run"), description="the run folder (see README: a run on disk)")
-    backend: Literal["native"] = Field("native", description="the embedded engine (vLLM comes later)")
+    backend: Literal["native", "vllm"] = Field(
+        "native", description="'native' (the embedded engine) or 'vllm' (a vLLM server run as a child process)"
+    )
+    vllm: VLLMConfig = VLLMConfig()
     host: str = Field("127.0.0.1", description="address to bind; loopback by default")
     port: int = Field(8000, ge=0, le=65535, description="port to bind; 0 under `asyncrl rl` picks a free one")
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
-    max_batch_size: int = Field(256, ge=1, description="sequences decoded together")
+    max_batch_size: int = Field(256, ge=1, description="sequences decoded together (KV-cache slots, at most)")
+    kv_cache_gb: float | None = Field(
+        None,
+        gt=0,
+        description="GiB preallocated for the KV cache, one seq_len slot per running sequence; default: what "
+        "max_batch_size slots need, at most 2 GiB on CPU or 80% of the GPU memory left free by the model",
+    )
+    cuda_graphs: bool = Field(True, description="replay decoding steps as CUDA graphs (GPU only)")
     num_threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
+    weight_transfer: WeightTransferConfig = WeightTransferConfig()
     admin_token: str | None = Field(
         None, description="token for /admin routes; default: the ASYNCRL_ADMIN_TOKEN environment variable"
     )
+
+    @model_validator(mode="after")
+    def _broadcast_needs_the_native_engine(self) -> InferenceConfig:
+        if self.backend == "vllm" and self.weight_transfer.mode == "broadcast":
+            raise ValueError(
+                "weight_transfer.mode = 'broadcast' needs inference.backend = 'native' "
+                "(the vLLM backend loads published folders: use 'filesystem')"
+            )
+        return self
 
 
 class OrchestratorConfig(Config):
@@ -71,11 +269,14 @@ class OrchestratorConfig(Config):
     seed: int = Field(0, description="seed of data order and sampling")
     output_dir: Path = Field(Path("outputs/run"), description="the run folder (see README: a run on disk)")
     inference_url: str = Field("http://127.0.0.1:8000", description="the inference server (set by `asyncrl rl`)")
-    environment: EnvironmentConfig = EnvironmentConfig()
+    environments: dict[str, RLEnvironmentConfig] = Field(
+        default_factory=lambda: {"reverse_text": RLEnvironmentConfig()},
+        description="environments sampled by weight, by label: [orchestrator.environments.<label>]",
+    )
     sampling: SamplingConfig = SamplingConfig()
+    eval: OnlineEvalConfig = OnlineEvalConfig()
     batch_size: int = Field(64, ge=1, description="rollouts per training step")
     group_size: int = Field(8, ge=1, description="rollouts per example; advantages compare within a group")
-    std_normalize: bool = Field(False, description="divide advantages by the group's reward std")
     max_async_level: int = Field(1, ge=0, description="batch n uses policy versions >= n - 1 - max_async_level")
     max_concurrency: int = Field(64, ge=1, description="groups in flight on the inference server")
     num_trainer_ranks: int = Field(1, ge=1, description="batch files per step (set by `asyncrl rl`)")
@@ -84,13 +285,52 @@ class OrchestratorConfig(Config):
     )
     request_timeout: float = Field(600.0, gt=0, description="seconds for one generate request")
     wait_timeout: float = Field(900.0, gt=0, description="seconds to wait for the inference server or new weights")
+    ckpt: CheckpointConfig = CheckpointConfig()
+    resume: Resume = None
+    weight_transfer: WeightTransferConfig = WeightTransferConfig()
     admin_token: str | None = Field(None, description="default: the ASYNCRL_ADMIN_TOKEN environment variable")
 
     @model_validator(mode="after")
     def _groups_fill_batch(self) -> OrchestratorConfig:
         if self.batch_size % self.group_size:
             raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size})")
+        if not self.environments:
+            raise ValueError("no environment given (add one: [orchestrator.environments.reverse_text])")
+        if any("/" in label for label in self.environments):
+            raise ValueError("environment labels name metrics (reward/<label>/mean) and may not contain '/'")
         return self
+
+
+class PerfConfig(Config):
+    """Speed and memory of the trainer (docs/trainer.md); the same for RL, SFT and `asyncrl trainer --bench`."""
+
+    attention: Literal["document", "dense"] = Field(
+        "document",
+        description="document: attend within each packed sample only (varlen/flex attention on GPU, per-sample "
+        "sdpa on CPU); dense: transformers' block-diagonal mask over the whole row (model.attn_implementation)",
+    )
+    activation_checkpointing: Literal["off", "selective", "full"] = Field(
+        "off", description="recompute decoder layers in the backward: none, every other layer, or every layer"
+    )
+    compile: bool = Field(False, description="torch.compile each decoder layer")
+    cpu_offload: bool = Field(
+        False, description="keep parameters, gradients and AdamW states in CPU memory (FSDP2 CPUOffloadPolicy)"
+    )
+    logprob_chunk_size: int = Field(
+        2048, ge=1, description="positions projected through the LM head at a time (logits are never made whole)"
+    )
+
+
+class BenchConfig(Config):
+    """`asyncrl trainer --bench`: train steps on random tokens, no orchestrator."""
+
+    loss: Literal["rl", "sft"] = Field(
+        "rl", description="rl: the configured RL loss; sft: SFT's -log p of the loss tokens"
+    )
+    documents: int = Field(16, ge=1, description="equal-length samples packed into each seq_len row")
+    micro_batches: int = Field(1, ge=1, description="rows per rank per optimizer step")
+    warmup_steps: int = Field(3, ge=0, description="steps run first and left out of the figures")
+    steps: int = Field(8, ge=1, description="measured steps (the figures are their medians)")
 
 
 class TrainerConfig(Config):
@@ -101,16 +341,28 @@ class TrainerConfig(Config):
     output_dir: Path = Field(Path("outputs/run"), description="the run folder (see README: a run on disk)")
     optim: OptimConfig = OptimConfig()
     loss: LossConfig = LossConfig()
+    perf: PerfConfig = PerfConfig()
+    bench: BenchConfig = BenchConfig()
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda' (each rank takes cuda:LOCAL_RANK)")
     num_threads: int = Field(0, ge=0, description="torch CPU threads per rank; 0 keeps torch's default")
     keep_rollouts: bool = Field(False, description="keep rollout files after training on them")
     keep_weights: int = Field(3, ge=1, description="newest weights/step_N folders kept on disk")
     wait_timeout: float = Field(900.0, gt=0, description="seconds to wait for the next batch")
+    ckpt: CheckpointConfig = CheckpointConfig()
+    resume: Resume = None
+    weight_transfer: WeightTransferConfig = WeightTransferConfig()
 
 
 class SFTDataConfig(Config):
     environment: EnvironmentConfig = EnvironmentConfig()
     batch_size: int = Field(64, ge=1, description="examples per optimizer step")
+
+
+class SFTEvalConfig(Config):
+    size: int = Field(
+        0, ge=0, description="examples held out of training (the first of the seeded stream); 0: no evaluation"
+    )
+    interval: int = Field(50, ge=1, description="steps between eval/loss measurements (and at the last step)")
 
 
 class SFTConfig(Config):
@@ -121,9 +373,13 @@ class SFTConfig(Config):
     output_dir: Path = Field(Path("outputs/sft"), description="metrics.jsonl and the final model (final/)")
     optim: OptimConfig = OptimConfig(lr=2e-3, warmup_steps=10)
     data: SFTDataConfig = SFTDataConfig()
+    perf: PerfConfig = PerfConfig()
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda'")
     num_threads: int = Field(0, ge=0, description="torch CPU threads per rank; 0 keeps torch's default")
     log_interval: int = Field(10, ge=1, description="steps between metric lines")
+    eval: SFTEvalConfig = SFTEvalConfig()
+    ckpt: CheckpointConfig = CheckpointConfig()
+    resume: Resume = None
 
 
 class DeploymentConfig(Config):
@@ -138,8 +394,8 @@ class DeploymentConfig(Config):
 class RLConfig(Config):
     """The `asyncrl rl` config: one file for all three processes.
 
-    Top-level shared keys (model, seq_len, max_steps, seed, output_dir) are copied into each section by the
-    loader; the sections hold what is specific to one process.
+    Top-level shared keys (model, seq_len, max_steps, seed, output_dir, ckpt, resume) are copied into each
+    section by the loader; the sections hold what is specific to one process.
     """
 
     model: ModelConfig = ModelConfig()
@@ -147,11 +403,14 @@ class RLConfig(Config):
     max_steps: int = Field(20, ge=1, description="training steps")
     seed: int = Field(0, description="seed of data order and sampling")
     output_dir: Path = Field(Path("outputs/run"), description="the run folder (see README: a run on disk)")
+    ckpt: CheckpointConfig = CheckpointConfig()
+    resume: Resume = None
+    weight_transfer: WeightTransferConfig = WeightTransferConfig()
     deployment: DeploymentConfig = DeploymentConfig()
     inference: InferenceConfig = InferenceConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     trainer: TrainerConfig = TrainerConfig()
 
 
-SHARED_KEYS = ("model", "seq_len", "max_steps", "seed", "output_dir")
+SHARED_KEYS = ("model", "seq_len", "max_steps", "seed", "output_dir", "ckpt", "resume", "weight_transfer")
 RL_SECTIONS = ("inference", "orchestrator", "trainer")

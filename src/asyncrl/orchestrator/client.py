@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
+import random
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +52,21 @@ class InferenceClient:
                 raise AsyncRLError(f"inference server at {self.url} not ready after {timeout:.0f}s")
             await asyncio.sleep(0.2)
 
-    async def generate(self, prompt_ids: list[int], n: int, sampling: SamplingConfig) -> list[Completion]:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        n: int,
+        sampling: SamplingConfig,
+        max_tokens: int | None = None,
+        seed: int | None = None,
+    ) -> list[Completion]:
         body = {
             "prompt_ids": prompt_ids,
             "n": n,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
-            "max_tokens": sampling.max_tokens,
+            "max_tokens": max_tokens or sampling.max_tokens,
+            "seed": seed,
         }
         result = await self._post("/v1/generate", body)
         return [
@@ -63,19 +74,41 @@ class InferenceClient:
             for c in result["choices"]
         ]
 
-    async def update_weights(self, path: Path, version: int) -> int:
-        result = await self._post("/admin/update_weights", {"path": str(path), "version": version}, admin=True)
+    async def update_weights(self, path: Path | None, version: int) -> int:
+        """Make `version` live: from its published folder, or (path None) from the weight broadcast, which
+        serves the newest version >= `version` it received. Returns the version now live."""
+        body = {"version": version} if path is None else {"path": str(path), "version": version}
+        result = await self._post("/admin/update_weights", body, admin=True)
         return int(result["policy_version"])
 
 
 class ServedPolicy:
-    """The `Policy` environments talk to: the inference server plus the run's tokenizer and sampling."""
+    """The `Policy` environments talk to: the inference server plus the run's tokenizer and sampling.
+    `seq_len` is the server's bound on prompt + completion tokens, which multi-turn rollouts stay within."""
 
-    def __init__(self, client: InferenceClient, tokenizer: Any, sampling: SamplingConfig):
+    def __init__(self, client: InferenceClient, tokenizer: Any, sampling: SamplingConfig, seq_len: int | None = None):
         self.client = client
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.temperature = sampling.temperature
+        self.max_tokens = sampling.max_tokens
+        self.seq_len = seq_len
+        self.seed: int | None = None  # set on one group's view by `seeded`
+        self._asked: Counter[tuple[int, ...]] = Counter()
 
-    async def generate(self, prompt_ids: list[int], n: int) -> list[Completion]:
-        return await self.client.generate(prompt_ids, n, self.sampling)
+    def seeded(self, seed: int) -> ServedPolicy:
+        """One group's view of this policy: its requests carry seeds derived from `seed` and the prompt, so a
+        rerun of the group (a resumed run) samples the same tokens."""
+        view = copy.copy(self)
+        view.seed, view._asked = seed, Counter()
+        return view
+
+    async def generate(
+        self, prompt_ids: list[int], n: int, max_tokens: int | None = None, seed: int | None = None
+    ) -> list[Completion]:
+        if seed is None and self.seed is not None:
+            # From the prompt, not the order of calls: a multi-turn group's episodes ask concurrently.
+            key = tuple(prompt_ids)
+            self._asked[key] += 1
+            seed = random.Random(hash((self.seed, key, self._asked[key]))).getrandbits(48)
+        return await self.client.generate(prompt_ids, n, self.sampling, max_tokens, seed)

@@ -1,9 +1,10 @@
 """`asyncrl trainer`: the RL train loop, one process per rank (torchrun), FSDP2 over the ranks.
 
-    for step n = 1, 2, ...:
+    for step n = 1, 2, ...            (with --resume: from the checkpoint's step + 1, docs/checkpoints.md)
         wait for rollouts/step_n/rank_R  →  count the loss tokens of all ranks (N)
         for each micro-batch: forward → logprobs → loss / N → backward
         clip → AdamW step  →  publish weights/step_n (rank 0)  →  delete the rollouts  →  log
+        every ckpt.interval steps: checkpoints/step_n/trainer
 
 The trainer is algorithm-blind: advantages, masks and inference logprobs arrive as per-token streams.
 """
@@ -15,23 +16,30 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from asyncrl import checkpoints
 from asyncrl.config.schema import TrainerConfig
 from asyncrl.errors import AsyncRLError
-from asyncrl.loading import load_tokenizer
+from asyncrl.loading import DTYPES, load_tokenizer
 from asyncrl.metrics import MetricsLogger
+from asyncrl.trainer import checkpoint
+from asyncrl.trainer.checkpoint import TrainerProgress
 from asyncrl.trainer.distributed import World, all_reduce_sum, check_same_count, close_distributed, init_distributed
-from asyncrl.trainer.loss import rl_loss, token_logprobs
+from asyncrl.trainer.logprobs import compute_logprobs
+from asyncrl.trainer.lora import adapter_config, adapter_state_dict, is_lora
+from asyncrl.trainer.loss import LossInputs, rl_loss
 from asyncrl.trainer.model import (
     clip_grad_norm,
     full_state_dict,
-    learning_rate,
     make_optimizer,
     parallelize,
     set_learning_rate,
     setup_model,
 )
+from asyncrl.trainer.schedule import learning_rate
 from asyncrl.transport import weights
+from asyncrl.transport.broadcast import WeightSender
 from asyncrl.transport.rollouts import MicroBatch, rank_file, step_dir, wait_for_batch
 
 # Per-token sums reduced over ranks, then divided by the global loss-token count N.
@@ -51,19 +59,13 @@ def compute_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Forward one packed row and return its share of the step loss, plus per-token sums for metrics."""
     mb = MicroBatch(**{name: t.to(device) for name, t in vars(mb).items()})
-    # use_cache=False: only then does transformers keep packed samples apart (NOTES.md).
-    logits = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False).logits[0]
-    logprobs, entropy = token_logprobs(logits, mb.input_ids, mb.temperature)
-    loss, sums = rl_loss(
-        logprobs,
-        mb.inference_logprobs,
-        mb.advantages,
-        mb.loss_mask,
-        total_loss_tokens,
-        cfg.loss.delta_low,
-        cfg.loss.delta_high,
-        cfg.loss.kl_tau,
+    logprobs, entropy = compute_logprobs(
+        model, mb.input_ids, mb.position_ids, mb.temperature, cfg.perf.logprob_chunk_size
     )
+    inputs = LossInputs(
+        logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask, mb.position_ids, total_loss_tokens
+    )
+    loss, sums = rl_loss(inputs, cfg.loss)
     sums["entropy"] = torch.where(mb.loss_mask.bool(), entropy, 0.0).sum()
     return loss, sums
 
@@ -89,28 +91,73 @@ def train_step(
     return metrics
 
 
-def publish_weights(model: torch.nn.Module, tokenizer, cfg: TrainerConfig, step: int, world: World) -> None:
-    state_dict = full_state_dict(model)  # collective: every rank takes part, rank 0 gets the tensors
-    if world.is_main:
-        weights.publish(cfg.output_dir, step, state_dict, model.config, tokenizer)
-        weights.prune(cfg.output_dir, cfg.keep_weights)
+def publish_weights(
+    model: torch.nn.Module, tokenizer, cfg: TrainerConfig, step: int, world: World, sender: WeightSender | None
+) -> None:
+    """Publish policy version `step`: the whole model, or with LoRA only the adapter. A collective: every rank
+    takes part in gathering the tensors; rank 0 sends or writes them.
+
+    Filesystem transfer: weights/step_N is the model (or adapter) folder. Broadcast transfer: rank 0's
+    `sender` hands the tensors to inference directly and weights/step_N holds only the STABLE marker, except
+    at the last step, written in full so that the run ends with a usable model.
+    """
+    lora = is_lora(model)
+    broadcast = cfg.weight_transfer.mode == "broadcast"
+    if lora:
+        state_dict = adapter_state_dict(model)
+    elif broadcast and world.device.type == "cuda":
+        # Gathered on the GPU, not through host memory: the sender broadcasts from there.
+        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    else:
+        state_dict = full_state_dict(model)
+    if not world.is_main:
+        return
+    if broadcast:
+        if not lora:
+            if getattr(model.config, "tie_word_embeddings", False):
+                state_dict.pop("lm_head.weight", None)  # the receiver's model re-ties it
+            # Sent in the dtype inference computes in: bf16 halves the bytes of fp32 master weights.
+            dtype = DTYPES[cfg.model.dtype]
+            state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+        sender.send(state_dict, step, adapter_config(model) if lora else None)
+    if not broadcast or step == cfg.max_steps:
+        if lora:
+            weights.publish_adapter(cfg.output_dir, step, state_dict, adapter_config(model))
+        else:
+            weights.publish(cfg.output_dir, step, state_dict, model.config, tokenizer)
+    else:
+        weights.publish_marker(cfg.output_dir, step)
+    weights.prune(cfg.output_dir, cfg.keep_weights)
 
 
 def train(cfg: TrainerConfig) -> int:
     world = init_distributed(cfg.device, cfg.num_threads, cfg.seed)
     try:
-        model = parallelize(setup_model(cfg.model, world.device), world.world_size, world.device, cfg.model.dtype)
+        model = setup_model(cfg.model, world.device, cfg.perf)
+        model = parallelize(model, world.world_size, world.device, cfg.model.dtype, cfg.perf)
         optimizer = make_optimizer(model, cfg.optim)
         tokenizer = load_tokenizer(cfg.model.name)  # published weights carry it, so each is a whole model
+        sender = None
+        if world.is_main and cfg.weight_transfer.mode == "broadcast":
+            sender = WeightSender(cfg.weight_transfer, world.device)  # joins the inference process's group
+        done = 0  # steps finished before this process started
+        if cfg.resume is not None:
+            resumed = checkpoint.resume(cfg.output_dir, checkpoints.RL_PARTS, cfg.resume.step, model, optimizer, world)
+            done = resumed.step
+            # The off-policy bound needs policy version `done`, which weight pruning may have deleted from disk;
+            # a broadcast reaches only the inference server of this run, which started on the base model.
+            published = (weights.weights_dir(cfg.output_dir, done) / weights.MARKER).exists()
+            if cfg.weight_transfer.mode == "broadcast" or not published:
+                publish_weights(model, tokenizer, cfg, done, world, sender)
         logger = MetricsLogger(cfg.output_dir, "trainer") if world.is_main else None
         if world.is_main:
             print(
                 f"trainer: {world.world_size} rank(s) on {world.device}, model {cfg.model.name}, "
-                f"steps 1..{cfg.max_steps}",
+                f"steps {done + 1}..{cfg.max_steps}",
                 flush=True,
             )
 
-        for step in range(1, cfg.max_steps + 1):
+        for step in range(done + 1, cfg.max_steps + 1):
             step_start = time.time()
             micro_batches = wait_for_batch(cfg.output_dir, step, world.rank, cfg.wait_timeout)
             train_start = time.time()
@@ -118,13 +165,13 @@ def train(cfg: TrainerConfig) -> int:
                 check_micro_batch(mb, rank_file(cfg.output_dir, step, world.rank))
             check_same_count(len(micro_batches), f"micro-batches in step {step}", world.device)
 
-            lr = set_learning_rate(optimizer, learning_rate(step, cfg.optim))
+            lr = set_learning_rate(optimizer, learning_rate(step, cfg.optim, cfg.max_steps))
             metrics = train_step(model, micro_batches, cfg, world)
             grad_norm = clip_grad_norm(model, cfg.optim.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-            publish_weights(model, tokenizer, cfg, step, world)
+            publish_weights(model, tokenizer, cfg, step, world, sender)
             train_end = time.time()
             # Every rank read its file before joining the collective in publish_weights, so rank 0 may
             # delete the whole step folder now.
@@ -150,6 +197,10 @@ def train(cfg: TrainerConfig) -> int:
                     f"{tokens_per_s:.0f} tok/s",
                     flush=True,
                 )
+            if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
+                checkpoint.save(cfg.output_dir, TrainerProgress(step), model, optimizer, world)
+                if world.is_main:
+                    checkpoints.prune(cfg.output_dir, checkpoints.RL_PARTS, cfg.ckpt.keep_last)
         return 0
     finally:
         close_distributed()
