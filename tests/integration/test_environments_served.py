@@ -9,14 +9,9 @@ are computed.
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
-import time
 
-import httpx
 import pytest
+from servers import free_port, inference_command, running_server  # tests/integration, on sys.path under pytest
 
 from asyncrl.config.schema import OrchestratorConfig, SamplingConfig
 from asyncrl.environments import load_environment
@@ -41,34 +36,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log = (tmp_path_factory.mktemp("logs") / "inference.log").open("w")
-    command = [sys.executable, "-m", "asyncrl", "inference", "--model.name", str(model_dir), "--port", str(port),
-               "--seq-len", str(SEQ_LEN), "--num-threads", "1"]  # fmt: skip
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"inference server exited with {process.returncode}; see {log.name}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"inference server not healthy after 120s; see {log.name}")
-        time.sleep(0.1)
-    yield url
-    process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-    log.close()
+    port = free_port()
+    command = inference_command(model_dir, port, "--seq-len", str(SEQ_LEN))
+    with running_server(command, port, tmp_path_factory.mktemp("logs") / "inference.log") as url:
+        yield url
 
 
 class RecordingPolicy(ServedPolicy):

@@ -6,15 +6,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
+from servers import free_port, inference_command, running_server  # tests/integration, on sys.path under pytest
 
 from asyncrl.environments import load_environment
 from asyncrl.evals.metrics import pass_at_k
@@ -54,12 +52,6 @@ def asyncrl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("eval") / "tiny"
@@ -70,28 +62,9 @@ def model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
     port = free_port()
-    log = (tmp_path_factory.mktemp("logs") / "inference.log").open("w")
-    command = [sys.executable, "-m", "asyncrl", "inference", "--model.name", str(model), "--port", str(port),
-               "--seq-len", "256", "--num-threads", "1"]  # fmt: skip
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"inference server exited with {process.returncode}; see {log.name}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"inference server not healthy after 90s; see {log.name}")
-        time.sleep(0.1)
-    yield url
-    process.terminate()
-    process.wait(timeout=30)
-    log.close()
+    command = inference_command(model, port, "--seq-len", "256")
+    with running_server(command, port, tmp_path_factory.mktemp("logs") / "inference.log", timeout=90) as url:
+        yield url
 
 
 def run_eval(model: Path, url: str, output_dir: Path, *flags: str) -> tuple[list[dict], dict]:

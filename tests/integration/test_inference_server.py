@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 import torch
+from servers import running_server  # tests/integration, on sys.path under pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.models import init_model
@@ -59,30 +60,10 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def server(model_dir, tmp_path_factory):
     port = free_port()
-    log = (tmp_path_factory.mktemp("logs") / "inference.log").open("w")
     env = {**os.environ, "ASYNCRL_ADMIN_TOKEN": ADMIN_TOKEN}
-    process = subprocess.Popen(inference_command(model_dir, port), stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"inference server exited with {process.returncode}; see {log.name}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"inference server not healthy after 60s; see {log.name}")
-        time.sleep(0.1)
-    yield url
-    process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-    log.close()
+    log_path = tmp_path_factory.mktemp("logs") / "inference.log"
+    with running_server(inference_command(model_dir, port), port, log_path, env=env, timeout=60) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

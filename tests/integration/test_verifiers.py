@@ -9,18 +9,17 @@ import difflib
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 pytest.importorskip("verifiers.v1", reason="needs verifiers 0.4: pip install 'asyncrl[verifiers]' (its own venv)")
 
 import torch  # noqa: E402
+from servers import free_port, inference_command, running_server  # noqa: E402  (tests/integration)
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from asyncrl.config.schema import SamplingConfig  # noqa: E402
@@ -35,12 +34,6 @@ VERIFIERS_ENV = Path(__file__).resolve().parent / "verifiers_env"  # holds the `
 GROUP = 3
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("verifiers") / "tiny"
@@ -51,28 +44,9 @@ def model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
     port = free_port()
-    log = (tmp_path_factory.mktemp("logs") / "inference.log").open("w")
-    command = [sys.executable, "-m", "asyncrl", "inference", "--model.name", str(model), "--port", str(port),
-               "--seq-len", "256", "--num-threads", "1"]  # fmt: skip
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"inference server exited with {process.returncode}; see {log.name}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"inference server not healthy after 120s; see {log.name}")
-        time.sleep(0.1)
-    yield url
-    process.terminate()
-    process.wait(timeout=30)
-    log.close()
+    command = inference_command(model, port, "--seq-len", "256")
+    with running_server(command, port, tmp_path_factory.mktemp("logs") / "inference.log") as url:
+        yield url
 
 
 @pytest.fixture
