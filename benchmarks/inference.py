@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from shapes import build_model  # benchmarks/, the script's own folder
 
 
 @dataclass(frozen=True)
@@ -50,42 +51,6 @@ PRESETS = {
     "30m": Preset("30m", "cpu", "float32", 64, 32, 64, repeats=3, hf_repeats=3, threads=1),
     "qwen3-0.6b": Preset("qwen3-0.6b", "cuda", "bfloat16", 128, 128, 256, repeats=3, hf_repeats=1),
 }
-
-# Qwen3-0.6B: hidden 1024, 28 layers, 16 heads, 8 KV heads, head_dim 128, MLP 3072, vocab 151936, tied.
-QWEN3_06B = dict(
-    hidden_size=1024,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=3072,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-    max_position_embeddings=40960,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
-)
-
-
-def build_model(preset: Preset, folder: Path) -> Path:
-    if (folder / "config.json").exists():
-        return folder
-    from asyncrl.models import build_tokenizer, init_model
-
-    if preset.model != "qwen3-0.6b":
-        init_model(folder, preset.model, seed=0)
-        return folder
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
-
-    tokenizer = build_tokenizer()
-    config = Qwen3Config(**QWEN3_06B, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    with torch.device(preset.device):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
-    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def make_prompts(preset: Preset) -> list[list[int]]:
@@ -293,7 +258,8 @@ def main() -> None:
         print(json.dumps(result))
         return
 
-    folder = build_model(preset, args.model_dir or Path(tempfile.gettempdir()) / f"asyncrl-bench-{args.preset}")
+    scratch = Path(tempfile.gettempdir()) / f"asyncrl-bench-{args.preset}"
+    folder = build_model(preset.model, args.model_dir or scratch, preset.device)
     print(f"preset {args.preset}: {asdict(preset)}", flush=True)
     results = {"native": run_worker("native", args, folder)}
     print(f"native: {results['native']}", flush=True)

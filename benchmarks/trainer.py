@@ -22,19 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# The Qwen3-0.6B shape (its config.json), random init.
-QWEN3_06B = dict(
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=65536,
-    tie_word_embeddings=True,
-    rope_theta=1000000.0,
-)
+from shapes import QWEN3_06B_CONFIG  # benchmarks/, the script's own folder
 
 # name: (seq_len, documents, loss, trainer flags)
 GPU_CASES = {
@@ -57,7 +45,7 @@ CPU_CASES = {
 def write_shape(folder: Path) -> Path:
     from transformers import Qwen3Config
 
-    Qwen3Config(**QWEN3_06B).save_pretrained(folder)
+    Qwen3Config(**QWEN3_06B_CONFIG).save_pretrained(folder)
     return folder
 
 

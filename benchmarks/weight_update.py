@@ -35,6 +35,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from shapes import build_model  # benchmarks/, the script's own folder
 
 from asyncrl.config.schema import ModelConfig, PerfConfig, TrainerConfig, WeightTransferConfig
 from asyncrl.errors import AsyncRLError
@@ -44,38 +45,6 @@ from asyncrl.trainer.model import parallelize, setup_model
 from asyncrl.trainer.rl import publish_weights
 from asyncrl.transport import weights
 from asyncrl.transport.broadcast import WeightSender
-
-# Qwen3-0.6B: hidden 1024, 28 layers, 16 heads, 8 KV heads, head_dim 128, MLP 3072, vocab 151936, tied.
-QWEN3_06B = dict(
-    hidden_size=1024,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=3072,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-    max_position_embeddings=40960,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
-)
-
-
-def build_model(preset: str, folder: Path) -> Path:
-    """A random-init model folder: an `asyncrl model init` preset, or the Qwen3-0.6B shape in bf16."""
-    from asyncrl.models import build_tokenizer, init_model
-
-    if preset != "qwen3-0.6b":
-        init_model(folder, preset, seed=0)
-        return folder
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    tokenizer = build_tokenizer()
-    config = Qwen3Config(**QWEN3_06B, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def free_port() -> int:
