@@ -70,6 +70,29 @@ def test_chunked_logprobs_and_gradients_equal_the_full_logits_computation(chunk_
     torch.testing.assert_close(weight.grad, expected_grads[1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_without_entropy_and_compiled_the_values_and_gradients_stay_the_same(compiled):
+    """SFT's path (no entropy) and `perf.compile`'s (the softmax math through torch.compile)."""
+    h, weight, ids, temperature, upstream = make_inputs(tokens=40, vocab=50)
+    expected, expected_entropy = token_logprobs(h @ weight.T, ids, temperature)
+    (expected * upstream).sum().backward()
+    expected_grads = h.grad.clone(), weight.grad.clone()
+    h.grad = weight.grad = None
+
+    logprobs, entropy = chunked_token_logprobs(
+        h, weight, ids, temperature, chunk_size=16, with_entropy=compiled, compiled=compiled
+    )
+    (logprobs * upstream).sum().backward()
+
+    torch.testing.assert_close(logprobs, expected, rtol=1e-6, atol=1e-6)
+    if compiled:
+        torch.testing.assert_close(entropy, expected_entropy, rtol=1e-5, atol=1e-5)
+    else:
+        assert not entropy.any()
+    torch.testing.assert_close(h.grad, expected_grads[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(weight.grad, expected_grads[1], rtol=1e-5, atol=1e-5)
+
+
 def test_a_scalar_temperature_equals_the_same_temperature_per_token():
     h, weight, ids, _, _ = make_inputs(tokens=20, vocab=30)
     scalar, _ = chunked_token_logprobs(h, weight, ids, 0.7, chunk_size=8)

@@ -312,7 +312,9 @@ class PerfConfig(Config):
     activation_checkpointing: Literal["off", "selective", "full"] = Field(
         "off", description="recompute decoder layers in the backward: none, every other layer, or every layer"
     )
-    compile: bool = Field(False, description="torch.compile each decoder layer")
+    compile: bool = Field(
+        False, description="torch.compile each decoder layer and the softmax math of the chunked LM head"
+    )
     cpu_offload: bool = Field(
         False, description="keep parameters, gradients and AdamW states in CPU memory (FSDP2 CPUOffloadPolicy)"
     )

@@ -53,7 +53,12 @@ def sft_step(model: torch.nn.Module, micro_batches: list[MicroBatch], cfg: Train
     for mb in micro_batches:
         input_ids, mask = mb.input_ids.to(world.device), mb.loss_mask.to(world.device)
         logprobs, _ = compute_logprobs(
-            model, input_ids, mb.position_ids.to(world.device), chunk_size=cfg.perf.logprob_chunk_size
+            model,
+            input_ids,
+            mb.position_ids.to(world.device),
+            chunk_size=cfg.perf.logprob_chunk_size,
+            with_entropy=False,
+            compiled=cfg.perf.compile,
         )
         (-torch.where(mask, logprobs, 0.0).sum() / total).backward()
 

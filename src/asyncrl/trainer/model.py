@@ -8,6 +8,7 @@ activation checkpointing, then torch.compile, then FSDP2 on each decoder layer a
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -73,13 +74,16 @@ def parallelize(
     )
     # The AdamW step then runs on the CPU, on the CPU copies of the shards.
     offload_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if perf.cpu_offload else OffloadPolicy()
+    # One rank: its shard is the whole parameter, so keeping the gathered (bf16) copy from the forward for the
+    # backward costs little memory and saves gathering it again.
+    reshard = world_size > 1
     layers = decoder_layers(model)
     for index, layer in enumerate(list(layers)):
         if is_checkpointed(index, perf.activation_checkpointing):
             layer = checkpoint_wrapper(layer)
         if perf.compile:
             layer = torch.compile(layer)
-        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy, reshard_after_forward=reshard)
         layers[index] = layer
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     for module in model.modules():
@@ -91,17 +95,34 @@ def parallelize(
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """Clip to `max_norm`; returns the total norm before clipping, over the full (unsharded) gradient."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    total_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if isinstance(total_norm, DTensor):
-        total_norm = total_norm.full_tensor()  # sharded grads give a partial norm: reduce it over ranks
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
+    """Clip to `max_norm`; returns the total norm before clipping, over the full (unsharded) gradient.
+
+    Works on each rank's local shards (FSDP2 shards are disjoint, so squared norms add up over ranks): one
+    all-reduce, instead of a DTensor dispatch per gradient, which cost ~10 ms of host time per step for a
+    0.6B model on one H200, while the GPU work is ~1 ms."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    sharded = isinstance(grads[0], DTensor)
+    local = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
+    squares = torch.stack([norm.float() for norm in torch._foreach_norm(local)]).square().sum()
+    if sharded:
+        if dist.get_backend() == "nccl" and squares.device.type == "cpu":  # CPU-offloaded gradients
+            squares = squares.to(torch.cuda.current_device())
+        dist.all_reduce(squares)
+    total_norm = squares.sqrt()
+    coefficient = (max_norm / (total_norm + 1e-6)).clamp(max=1.0).to(local[0].device)
+    torch._foreach_mul_(local, coefficient)
     return float(total_norm)
 
 
 def make_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+    """AdamW; on GPU its fused implementation (a few kernel launches for all parameters, not several per
+    tensor group). CPU parameters (CPU runs, or `perf.cpu_offload`) keep torch's default."""
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    return torch.optim.AdamW(
+        model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, fused=on_gpu or None
+    )
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:

@@ -60,7 +60,7 @@ def compute_loss(
     """Forward one packed row and return its share of the step loss, plus per-token sums for metrics."""
     mb = MicroBatch(**{name: t.to(device) for name, t in vars(mb).items()})
     logprobs, entropy = compute_logprobs(
-        model, mb.input_ids, mb.position_ids, mb.temperature, cfg.perf.logprob_chunk_size
+        model, mb.input_ids, mb.position_ids, mb.temperature, cfg.perf.logprob_chunk_size, compiled=cfg.perf.compile
     )
     inputs = LossInputs(
         logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask, mb.position_ids, total_loss_tokens

@@ -139,7 +139,9 @@ def eval_loss(model: torch.nn.Module, rows: list[PackedRow], device: torch.devic
     sums = torch.zeros(2, device=device)
     for row in rows:
         input_ids, mask = row.input_ids.to(device), row.loss_mask.to(device)
-        logprobs, _ = compute_logprobs(model, input_ids, row.position_ids.to(device), chunk_size=chunk_size)
+        logprobs, _ = compute_logprobs(
+            model, input_ids, row.position_ids.to(device), chunk_size=chunk_size, with_entropy=False
+        )
         sums += torch.stack([-torch.where(mask, logprobs, 0.0).sum(), mask.sum().float()])
     nll, tokens = all_reduce_sum(sums).tolist()
     return nll / max(tokens, 1.0)
@@ -194,7 +196,14 @@ def train_sft(cfg: SFTConfig) -> int:
             for row in rows:
                 input_ids, mask = row.input_ids.to(world.device), row.loss_mask.to(world.device)
                 position_ids = row.position_ids.to(world.device)
-                logprobs, _ = compute_logprobs(model, input_ids, position_ids, chunk_size=cfg.perf.logprob_chunk_size)
+                logprobs, _ = compute_logprobs(
+                    model,
+                    input_ids,
+                    position_ids,
+                    chunk_size=cfg.perf.logprob_chunk_size,
+                    with_entropy=False,
+                    compiled=cfg.perf.compile,
+                )
                 loss = -torch.where(mask, logprobs, 0.0).sum() / max(answer_tokens, 1)
                 loss.backward()
                 loss_sum += loss.detach()
