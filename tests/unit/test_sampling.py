@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncrl.inference.sampling import SamplingBatch, filter_logprobs, sample
+from asyncrl.inference.sampling import SamplingBatch, filter_logprobs, inverse_cdf, sample
 
 
 @dataclass
@@ -54,6 +54,18 @@ def test_draws_follow_the_tempered_distribution():
     out = draw(rows(LOGITS, count), temperature=2.0, seeds=range(count))
     frequencies = torch.bincount(out.token_ids, minlength=len(LOGITS)).float() / count
     assert torch.allclose(frequencies, torch.softmax(torch.tensor(LOGITS) / 2.0, dim=-1), atol=0.03)
+
+
+def test_the_two_level_inverse_cdf_draws_what_one_scan_over_the_vocabulary_draws():
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(64, 5000, generator=generator) * 3, dim=-1)
+    probs[:, 1000:2048] = 0  # whole blocks of zero mass are stepped over
+    u = torch.rand(64, generator=generator, dtype=torch.float64)
+    cumulative = probs.cumsum(-1, dtype=torch.float64)
+    expected = torch.searchsorted(cumulative, u[:, None] * cumulative[:, -1:], right=True)[:, 0]
+    assert inverse_cdf(probs, u).tolist() == expected.tolist()
+    edges = inverse_cdf(probs[:2], torch.tensor([0.0, 1.0 - 1e-12], dtype=torch.float64)).tolist()
+    assert edges[0] == int(probs[0].nonzero()[0]) and edges[1] == int(probs[1].nonzero()[-1])
 
 
 def test_a_token_of_zero_probability_is_never_drawn():

@@ -395,6 +395,7 @@ class Engine:
                 f"weights in {origin} do not fit the served model {self.cfg.model.name} ({'; '.join(problems)})"
             )
         self.model.load_state_dict(state, strict=False)
+        self.runner.weights_loaded()
 
 
 def _eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:

@@ -1,8 +1,9 @@
 """The KV cache: keys and values of every running sample, preallocated once, in slots of `max_len` tokens.
 
-One slot per sample: layout [layer, slot, kv head, position, head dim], so the slots [0, batch) of a layer
-are one strided view that attention reads in place. Memory is claimed up front from a budget, so a busy
-server never runs out mid-step: samples that find no free slot wait (see `scheduler.py`).
+One slot per sample: layout [layer, slot, position, kv head, head dim] (token-major, as flash attention
+reads keys), so the slots [0, batch) of a layer are one strided view that attention reads in place.
+Memory is claimed up front from a budget, so a busy server never runs out mid-step: samples that find no
+free slot wait (see `scheduler.py`).
 
 The cache starts zeroed and only ever receives finite keys and values: positions past a sample's length
 are masked out of attention, and a masked zero times a weight of zero stays zero (garbage could be NaN).
@@ -45,7 +46,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
     ):
-        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        shape = (num_layers, num_slots, max_len, num_kv_heads, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.num_slots = num_slots
@@ -57,5 +58,5 @@ class KVCache:
 
     def move(self, source: int, target: int, length: int) -> None:
         """Copy the first `length` positions of slot `source` into slot `target`, in every layer."""
-        self.keys[:, target, :, :length] = self.keys[:, source, :, :length]
-        self.values[:, target, :, :length] = self.values[:, source, :, :length]
+        self.keys[:, target, :length] = self.keys[:, source, :length]
+        self.values[:, target, :length] = self.values[:, source, :length]

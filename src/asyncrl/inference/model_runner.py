@@ -13,8 +13,10 @@ Face forward.
 - Prefill: the distinct prompts, right-padded to the longest, through causal attention (padding sits after
   every real token, so no mask is needed); keys and values go to the samples' slots, one row per sample.
 - Decode: one token per running sample; slot i of the KV cache is batch row i. Attention reads the slots in
-  place, up to the longest context of the batch, with each row's own length as the mask. On a GPU the
-  step is replayed from a CUDA graph (`cuda_graphs.py`).
+  place. On a GPU in half precision it is flash attention over each slot's own length (`seqused_k`), so
+  no row reads keys past its end; elsewhere scaled-dot-product attention up to the longest context of the
+  batch, with each row's length as the mask. On a GPU the step is replayed from a CUDA graph
+  (`cuda_graphs.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,20 @@ from asyncrl.inference.cuda_graphs import DecodeGraphs, bucket
 from asyncrl.inference.kv_cache import KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
+
+
+def _find_flash_decode():
+    """torch's varlen flash attention forward, where it takes `seqused_k` (keys used per sequence): decoding
+    then reads each slot's keys up to its own length, in a kernel made for many short queries."""
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    try:
+        names = {argument.name for argument in op.default._schema.arguments}
+    except (AttributeError, RuntimeError):
+        return None
+    return op.default if "seqused_k" in names else None
+
+
+FLASH_DECODE = _find_flash_decode()
 # Decoding attends under a mask. On a GPU, where flash takes no mask, it is pinned to the memory-efficient
 # kernel (on the H200, batch 128 x context 384: 0.12 ms per layer; cuDNN's 0.10, math 0.66), which captures
 # into CUDA graphs, rather than left to per-shape dispatch. On CPU, flash takes masks and beats math ~2x.
@@ -90,6 +106,8 @@ class ModelRunner:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
+        # Qwen3's q and k norm weights, one row per head, so both are scaled in one multiplication.
+        self.qk_scales = [self._qk_scale(layer) for layer in self.layers] if self.qk_norm else []
         self.qkv = [fuse_linears([a.q_proj, a.k_proj, a.v_proj]) for a in (layer.self_attn for layer in self.layers)]
         self.gate_up = [fuse_linears([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in self.layers]
         embeddings = model.get_input_embeddings().weight
@@ -104,6 +122,23 @@ class ModelRunner:
         self.tokens = torch.zeros(cache.num_slots, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(cache.num_slots, dtype=torch.long, device=self.device)
         self.graphs = DecodeGraphs(self._decode_step) if cuda_graphs and self.device.type == "cuda" else None
+        half = cache.keys.dtype in (torch.float16, torch.bfloat16)
+        self.flash = FLASH_DECODE is not None and self.device.type == "cuda" and half
+        # Flash attention's view of the cache: one query per row; row i's keys start at slot i's first position.
+        self.query_starts = torch.arange(cache.num_slots + 1, dtype=torch.int32, device=self.device)
+        self.key_starts = self.query_starts * cache.max_len
+
+    def weights_loaded(self) -> None:
+        """Refresh what is derived from the weights after new ones were copied into the parameters; in place,
+        so that captured CUDA graphs read the new values."""
+        for scale, layer in zip(self.qk_scales, self.layers):
+            scale.copy_(self._qk_scale(layer))
+
+    def _qk_scale(self, layer: nn.Module) -> torch.Tensor:
+        attention = layer.self_attn
+        return torch.cat(
+            (attention.q_norm.weight.expand(self.num_heads, -1), attention.k_norm.weight.expand(self.num_kv_heads, -1))
+        )
 
     def prefill(self, prompts: list[list[int]], rows: list[int], first_slot: int) -> torch.Tensor:
         """Run `prompts` and store their keys and values: slot `first_slot + j` gets prompt `rows[j]`.
@@ -116,10 +151,11 @@ class ModelRunner:
         cos, sin = self.cos[:width, None], self.sin[:width, None]
         x = F.embedding(input_ids, self.model.get_input_embeddings().weight)
         for index, layer in enumerate(self.layers):
+            # [rows, width, heads, dim]
             q, k, v = self._project_qkv(index, rms_norm(x, layer.input_layernorm), cos, sin)
+            self.cache.keys[index, slots, :width] = k if gather is None else k[gather]
+            self.cache.values[index, slots, :width] = v if gather is None else v[gather]
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [rows, heads, width, dim]
-            self.cache.keys[index, slots, :, :width] = k if gather is None else k[gather]
-            self.cache.values[index, slots, :, :width] = v if gather is None else v[gather]
             attention = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             x = x + linear(attention.transpose(1, 2).flatten(2), layer.self_attn.o_proj)
             x = x + self._mlp(index, rms_norm(x, layer.post_attention_layernorm))
@@ -148,29 +184,57 @@ class ModelRunner:
         tokens, positions = self.tokens[:batch], self.positions[:batch]
         rows = torch.arange(batch, device=self.device)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        # Row i attends to positions 0..positions[i] of its slot; an additive mask, made once per step.
-        hidden = torch.arange(context, device=self.device) > positions[:, None]
-        mask = torch.zeros(batch, 1, 1, context, dtype=self.cos.dtype, device=self.device)
-        mask.masked_fill_(hidden[:, None, None], float("-inf"))
-        group = self.num_heads // self.num_kv_heads
+        if self.flash:
+            used = (positions + 1).to(torch.int32)  # row i attends to positions 0..positions[i] of its slot
+        else:
+            # The same as an additive mask over the batch's longest context, made once per step.
+            hidden = torch.arange(context, device=self.device) > positions[:, None]
+            mask = torch.zeros(batch, 1, 1, context, dtype=self.cos.dtype, device=self.device)
+            mask.masked_fill_(hidden[:, None, None], float("-inf"))
         x = F.embedding(tokens, self.model.get_input_embeddings().weight)
         for index, layer in enumerate(self.layers):
             q, k, v = self._project_qkv(index, rms_norm(x, layer.input_layernorm), cos, sin)
             keys, values = self.cache.keys[index], self.cache.values[index]
-            keys[rows, :, positions] = k
-            values[rows, :, positions] = v
-            # Grouped-query attention without repeating keys: the `group` query heads that share a KV head
-            # are that head's queries. [batch, kv heads, group, dim] against [batch, kv heads, context, dim].
-            with sdpa_kernel(DECODE_ATTENTION):
-                attention = F.scaled_dot_product_attention(
-                    q.view(batch, self.num_kv_heads, group, self.head_dim),
-                    keys[:batch, :, :context],
-                    values[:batch, :, :context],
-                    attn_mask=mask,
-                )
+            keys[rows, positions] = k
+            values[rows, positions] = v
+            if self.flash:
+                attention = self._flash_decode(q, keys, values, batch, context, used)
+            else:
+                attention = self._masked_decode(q, keys, values, batch, context, mask)
             x = x + linear(attention.reshape(batch, -1), layer.self_attn.o_proj)
             x = x + self._mlp(index, rms_norm(x, layer.post_attention_layernorm))
         return self._logits(x)
+
+    def _flash_decode(self, q, keys, values, batch: int, context: int, used: torch.Tensor) -> torch.Tensor:
+        """Flash attention reads the cache as [slots x max_len, kv heads, dim] with slot i's keys starting at
+        i x max_len, of which it uses `used[i]`; it serves grouped-query heads itself. `context` (at least
+        the longest used length) only sizes its work."""
+        flat = (self.cache.num_slots * self.cache.max_len, self.num_kv_heads, self.head_dim)
+        return FLASH_DECODE(
+            q.contiguous(),
+            keys.view(flat),
+            values.view(flat),
+            self.query_starts[: batch + 1],
+            self.key_starts[: batch + 1],
+            1,
+            context,
+            0.0,
+            False,
+            False,
+            seqused_k=used,
+        )[0]
+
+    def _masked_decode(self, q, keys, values, batch: int, context: int, mask: torch.Tensor) -> torch.Tensor:
+        """Grouped-query attention without repeating keys: the `group` query heads that share a KV head are
+        that head's queries. [batch, kv heads, group, dim] against [batch, kv heads, context, dim]."""
+        group = self.num_heads // self.num_kv_heads
+        with sdpa_kernel(DECODE_ATTENTION):
+            return F.scaled_dot_product_attention(
+                q.view(batch, self.num_kv_heads, group, self.head_dim),
+                keys[:batch, :context].transpose(1, 2),
+                values[:batch, :context].transpose(1, 2),
+                attn_mask=mask,
+            )
 
     def _project_qkv(
         self, index: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -180,14 +244,8 @@ class ModelRunner:
         qkv = F.linear(h, weight, bias).unflatten(-1, (-1, self.head_dim))
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=-2)
         if self.qk_norm:
-            attention = self.layers[index].self_attn
-            scale = torch.cat(
-                (
-                    attention.q_norm.weight.expand(self.num_heads, -1),
-                    attention.k_norm.weight.expand(self.num_kv_heads, -1),
-                )
-            )
-            qk = normalize(qk, attention.q_norm.variance_epsilon) * scale
+            epsilon = self.layers[index].self_attn.q_norm.variance_epsilon
+            qk = normalize(qk, epsilon) * self.qk_scales[index]
         qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * sin
         return qk[..., : self.num_heads, :], qk[..., self.num_heads :, :], v
 

@@ -9,7 +9,10 @@ Temperature 0 means greedy decoding; its log-probabilities are taken at temperat
 
 Each row draws by inverting its cumulative distribution at one uniform number that the caller supplies
 from the row's own generator: a whole batch samples in a few vectorized kernels, and a row's draw depends
-only on its own seed, never on what else shares the batch.
+only on its own seed, never on what else shares the batch. The inversion runs in float64 in two levels
+(`inverse_cdf`): first over blocks of the vocabulary, then within the one block the draw falls in, so the
+float64 cumulative sums cover blocks, not the whole [batch x vocab] (on an H200, at 128 x 151,936, one
+float64 scan over everything took 0.3 ms of a 5.9 ms decoding step).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 
 class SamplingParams(Protocol):
@@ -74,16 +78,31 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, uniforms: torch.Tensor) -
     # bfloat16 logits divided by float32 temperatures give float32, in one kernel.
     logprobs = torch.log_softmax(logits / batch.temperature[:, None], dim=-1)
     candidates = filter_logprobs(logprobs, batch.top_k, batch.top_p, batch.min_p) if batch.any_filtered else logprobs
-    # Inverse CDF in float64, so that even very unlikely tokens keep their share of [0, 1).
-    cumulative = torch.cumsum(candidates.exp(), dim=-1, dtype=torch.float64)
-    targets = uniforms.to(cumulative.device)[:, None] * cumulative[:, -1:]
-    # side="right": the first token whose cumulative mass exceeds the target, which has non-zero mass.
-    token_ids = torch.searchsorted(cumulative, targets, right=True)[:, 0].clamp_(max=logits.shape[-1] - 1)
+    token_ids = inverse_cdf(candidates.exp(), uniforms.to(logits.device))
     if batch.any_greedy:
         token_ids = torch.where(batch.greedy, logprobs.argmax(dim=-1), token_ids)
     chosen = logprobs.gather(-1, token_ids[:, None])[:, 0]
     top_logprobs, top_ids = logprobs.topk(batch.num_top, dim=-1)
     return SampledTokens(token_ids, chosen, top_ids, top_logprobs)
+
+
+BLOCK = 1024  # vocabulary entries per block of the two-level inverse CDF
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """For each row of `probs` [B, V] (not necessarily normalized), the first token whose cumulative mass
+    exceeds uniforms[row] x the row's total mass, in float64 so that even very unlikely tokens keep their
+    share of [0, 1). side="right": that token has non-zero mass."""
+    rows, vocab = probs.shape
+    blocks = F.pad(probs, (0, -vocab % BLOCK)).view(rows, -1, BLOCK)
+    block_mass = blocks.sum(-1, dtype=torch.float64)  # [B, blocks]
+    block_end = block_mass.cumsum(-1)
+    targets = uniforms[:, None] * block_end[:, -1:]
+    block = torch.searchsorted(block_end, targets, right=True).clamp_(max=blocks.shape[1] - 1)  # [B, 1]
+    inside = targets - (block_end.gather(-1, block) - block_mass.gather(-1, block))
+    chosen = blocks.gather(1, block[:, :, None].expand(rows, 1, BLOCK))[:, 0].cumsum(-1, dtype=torch.float64)
+    offset = torch.searchsorted(chosen, inside, right=True).clamp_(max=BLOCK - 1)
+    return (block * BLOCK + offset)[:, 0].clamp_(max=vocab - 1)
 
 
 def filter_logprobs(
