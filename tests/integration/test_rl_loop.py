@@ -68,22 +68,24 @@ def overlaps(orchestrator: dict[int, dict], trainer: dict[int, dict]) -> list[in
 
 
 def test_async_rl_learns_keeps_the_bound_and_overlaps(warm_model, tmp_path):
-    steps = 60
+    steps = 100
     result = run_rl(warm_model, tmp_path / "run", "--max-steps", str(steps), "--orchestrator.max-async-level", "1")
     assert result.returncode == 0, result.stdout + result.stderr
     orchestrator, trainer = by_source(tmp_path / "run", "orchestrator"), by_source(tmp_path / "run", "trainer")
     assert sorted(trainer) == list(range(1, steps + 1))
 
     # Whether SFT stopped before its drop (where RL does not take off) is checked first, so that such a
-    # failure says what it is. Measured on CPU, steps 1-10 -> 51-60: reward 0.752 -> 0.862 and 0.866,
-    # exact matches 0.21 -> 0.42 and 0.45 (two runs of the example).
+    # failure says what it is. Asynchronous runs differ from each other (which policy version made which
+    # batch depends on timing): at steps 51-60 three runs from this SFT model read 0.862, 0.866 and 0.779
+    # (0.752 at steps 1-10), so the test looks at steps 81-100: reward 0.884 and 0.872, exact matches 0.34
+    # and 0.37 (from 0.21) in two 250-step runs.
     rewards = [orchestrator[n]["reward/mean"] for n in range(1, steps + 1)]
     exact = [orchestrator[n]["reward/reverse_text/exact_match"] for n in range(1, steps + 1)]
     assert statistics.fmean(rewards[:10]) > 0.6, f"the SFT model is still before its drop: {rewards[:10]}"
-    first, last = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-10:])
+    first, last = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-20:])
     assert last > first + 0.05, f"reward did not rise: {rewards}"
-    first, last = statistics.fmean(exact[:10]), statistics.fmean(exact[-10:])
-    assert last > first + 0.1, f"exact matches did not rise: {exact}"
+    first, last = statistics.fmean(exact[:10]), statistics.fmean(exact[-20:])
+    assert last > first + 0.08, f"exact matches did not rise: {exact}"
 
     assert all(o["off_policy/max"] <= 1 for o in orchestrator.values())
     # Where trainer and inference held the same weights, their logprobs of the same tokens must agree.

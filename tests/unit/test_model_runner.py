@@ -47,6 +47,40 @@ def test_prefill_and_decode_match_the_hugging_face_forward(model):
 
 
 @torch.inference_mode()
+def test_decoding_with_weights_packed_for_onednn_matches_the_hugging_face_forward(tmp_path):
+    """Weights this large are reordered for oneDNN on a float32 CPU (`PACKED_MIN_WEIGHT`); the products
+    must stay those of the model, also after new weights are copied in."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(
+        vocab_size=300,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    runner = runner_for(model)
+    if not runner.pack:
+        pytest.skip("this torch has no oneDNN linear ops")
+    assert len(runner.packed) == 4  # q/k/v, gate/up, o_proj, down_proj (the LM head is below the size)
+    runner.prefill(PROMPTS, rows=[0, 1, 2], first_slot=0)
+    decoded = runner.decode([11, 12, 13], [len(p) for p in PROMPTS])
+    for prompt, token, row in zip(PROMPTS, [11, 12, 13], decoded):
+        assert torch.allclose(row, last_logits(model, prompt + [token]), atol=1e-4)
+
+    model.model.layers[0].mlp.down_proj.weight.mul_(0.5)  # an in-place update, as the engine's load does
+    runner.weights_loaded()
+    runner.prefill(PROMPTS, rows=[0, 1, 2], first_slot=0)
+    decoded = runner.decode([11, 12, 13], [len(p) for p in PROMPTS])
+    assert torch.allclose(decoded[0], last_logits(model, PROMPTS[0] + [11]), atol=1e-4)
+
+
+@torch.inference_mode()
 def test_padding_the_batch_and_context_as_cuda_graphs_do_changes_no_logits(model):
     runner = runner_for(model)
     runner.prefill(PROMPTS, rows=[0, 1, 2], first_slot=0)
