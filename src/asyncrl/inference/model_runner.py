@@ -63,9 +63,11 @@ PACKED_ROWS_HINT = 64  # rows oneDNN tunes the packed layout for (a decoding bat
 # Smaller weights stay with F.linear: the 0.1M and 0.8M presets' decoding steps were slower packed (1.3 vs
 # 1.0 ms, 5.2 vs 5.0 ms); the 30M preset's smallest matrix (512 x 512) gains.
 PACKED_MIN_WEIGHT = 1 << 18
-# Decoding attends under a mask. On a GPU, where flash takes no mask, it is pinned to the memory-efficient
-# kernel (on the H200, batch 128 x context 384: 0.12 ms per layer; cuDNN's 0.10, math 0.66), which captures
-# into CUDA graphs, rather than left to per-shape dispatch. On CPU, flash takes masks and beats math ~2x.
+
+# Decoding without FLASH_DECODE (CPU; float32 on a GPU) attends under a mask. On a GPU, where flash takes no
+# mask, it is pinned to the memory-efficient kernel (on the H200, bf16, batch 128 x context 384: 0.12 ms per
+# layer; cuDNN's 0.10, math 0.66; FLASH_DECODE later measured 0.05), which captures into CUDA graphs,
+# rather than left to per-shape dispatch. On CPU, flash takes masks and beats math ~2x.
 DECODE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
