@@ -28,10 +28,12 @@ from shapes import QWEN3_06B_CONFIG  # benchmarks/, the script's own folder
 GPU_CASES = {
     "rl-16k": (16384, 16, "rl", []),
     "rl-16k-compile": (16384, 16, "rl", ["--perf.compile"]),
+    "rl-16k-compile-layer": (16384, 16, "rl", ["--perf.compile", "--perf.fsdp-unit", "layer"]),
     "rl-64k": (65536, 32, "rl", ["--perf.activation-checkpointing", "selective"]),
     "rl-64k-compile": (65536, 32, "rl", ["--perf.activation-checkpointing", "selective", "--perf.compile"]),
     "sft-8k": (8192, 8, "sft", []),
     "sft-8k-compile": (8192, 8, "sft", ["--perf.compile"]),
+    "sft-8k-compile-layer": (8192, 8, "sft", ["--perf.compile", "--perf.fsdp-unit", "layer"]),
     "hf-16k": (16384, 16, "rl", None),  # the plain Hugging Face baseline
 }
 CPU_CASES = {

@@ -173,14 +173,14 @@ def train_one_step(model, optimizer) -> float:
     return loss.item()
 
 
-def test_trainer_checkpoint_restores_model_optimizer_and_generators_exactly(tmp_path, world):
+@pytest.mark.parametrize("fsdp_unit", ["model", "layer"])
+def test_trainer_checkpoint_restores_model_optimizer_and_generators_exactly(tmp_path, world, fsdp_unit):
     init_model(tmp_path / "model", "tiny")
     model_cfg, optim_cfg = ModelConfig(name=str(tmp_path / "model")), OptimConfig(lr=1e-2, weight_decay=0.1)
+    perf = PerfConfig(fsdp_unit=fsdp_unit)
 
     def fresh():
-        model = parallelize(
-            setup_model(model_cfg, world.device, PerfConfig()), 1, world.device, "float32", PerfConfig()
-        )
+        model = parallelize(setup_model(model_cfg, world.device, perf), 1, world.device, "float32", perf)
         return model, make_optimizer(model, optim_cfg)
 
     model, optimizer = fresh()

@@ -1,15 +1,24 @@
-"""`parallelize`: activation checkpointing and CPU offload change memory, never the numbers or the weight names."""
+"""`parallelize`: activation checkpointing, CPU offload and FSDP2 units change memory, never the numbers or the
+weight names."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from asyncrl.config.schema import ModelConfig, OptimConfig, PerfConfig
 from asyncrl.models import init_model
 from asyncrl.trainer.distributed import close_distributed, init_distributed
 from asyncrl.trainer.logprobs import compute_logprobs
-from asyncrl.trainer.model import clip_grad_norm, full_state_dict, make_optimizer, parallelize, setup_model
+from asyncrl.trainer.model import (
+    clip_grad_norm,
+    decoder_layers,
+    full_state_dict,
+    make_optimizer,
+    parallelize,
+    setup_model,
+)
 
 
 @pytest.fixture(scope="module")
@@ -21,20 +30,27 @@ def world(tmp_path_factory):
     close_distributed()
 
 
-def one_step(world_and_model, perf: PerfConfig) -> tuple[float, float, dict[str, torch.Tensor]]:
-    """Loss, gradient norm and weights after one AdamW step on a packed row of three samples."""
+def parallelized(world_and_model, perf: PerfConfig):
     world, name = world_and_model
+    return parallelize(setup_model(ModelConfig(name=name), world.device, perf), 1, world.device, "float32", perf)
+
+
+def train_steps(world_and_model, perf: PerfConfig, steps: int = 3) -> tuple[list[float], list[float], dict]:
+    """Losses, gradient norms and weights after `steps` AdamW steps on packed rows of three samples."""
     torch.manual_seed(0)
-    model = parallelize(setup_model(ModelConfig(name=name), world.device, perf), 1, world.device, "float32", perf)
+    model = parallelized(world_and_model, perf)
     optimizer = make_optimizer(model, OptimConfig(lr=1e-3))
-    input_ids = torch.randint(0, 259, (48,))
     position_ids = torch.cat([torch.arange(n) for n in (16, 12, 20)])
-    logprobs, _ = compute_logprobs(model, input_ids, position_ids, 0.8, chunk_size=16)
-    loss = -logprobs.sum()
-    loss.backward()
-    grad_norm = clip_grad_norm(model, 1.0)
-    optimizer.step()
-    return float(loss), grad_norm, full_state_dict(model)
+    losses, grad_norms = [], []
+    for _ in range(steps):
+        logprobs, _ = compute_logprobs(model, torch.randint(0, 259, (48,)), position_ids, 0.8, chunk_size=16)
+        loss = -logprobs.sum()
+        loss.backward()
+        grad_norms.append(clip_grad_norm(model, 1.0))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, grad_norms, full_state_dict(model)
 
 
 @pytest.mark.parametrize(
@@ -43,15 +59,33 @@ def one_step(world_and_model, perf: PerfConfig) -> tuple[float, float, dict[str,
         PerfConfig(activation_checkpointing="selective"),
         PerfConfig(activation_checkpointing="full"),
         PerfConfig(cpu_offload=True),
+        PerfConfig(fsdp_unit="layer"),
     ],
-    ids=["selective", "full", "cpu_offload"],
+    ids=["selective", "full", "cpu_offload", "fsdp_unit_layer"],
 )
-def test_memory_settings_give_the_same_step_and_weight_names(world, perf):
-    loss, grad_norm, weights = one_step(world, PerfConfig())
-    other_loss, other_grad_norm, other_weights = one_step(world, perf)
-    assert other_loss == pytest.approx(loss, rel=1e-6)
-    assert other_grad_norm == pytest.approx(grad_norm, rel=1e-5)
+def test_memory_settings_give_the_same_steps_and_weight_names(world, perf):
+    losses, grad_norms, weights = train_steps(world, PerfConfig(fsdp_unit="model"))
+    other_losses, other_grad_norms, other_weights = train_steps(world, perf)
+    assert other_losses == pytest.approx(losses, rel=1e-6)
+    assert other_grad_norms == pytest.approx(grad_norms, rel=1e-5)
     assert other_weights.keys() == weights.keys()
     assert "model.layers.1.self_attn.q_proj.weight" in weights and "lm_head.weight" in weights
     for name in weights:
         torch.testing.assert_close(other_weights[name], weights[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("perf", "layers_are_units"),
+    [
+        (PerfConfig(), False),
+        (PerfConfig(fsdp_unit="model"), False),
+        (PerfConfig(fsdp_unit="layer"), True),
+        (PerfConfig(cpu_offload=True), True),
+    ],
+    ids=["auto", "model", "layer", "auto_cpu_offload"],
+)
+def test_fsdp_unit_shards_each_decoder_layer_or_the_root_only(world, perf, layers_are_units):
+    model = parallelized(world, perf)
+    assert isinstance(model, FSDPModule)
+    layers = decoder_layers(model)
+    assert len(layers) == 2 and all(isinstance(layer, FSDPModule) == layers_are_units for layer in layers)

@@ -318,6 +318,13 @@ class PerfConfig(Config):
     cpu_offload: bool = Field(
         False, description="keep parameters, gradients and AdamW states in CPU memory (FSDP2 CPUOffloadPolicy)"
     )
+    fsdp_unit: Literal["auto", "layer", "model"] = Field(
+        "auto",
+        description="FSDP2 units: layer = one per decoder layer, gathered one at a time (least memory with "
+        "several ranks); model = the whole model as one, one gather and one reduction per step (less host "
+        "work and fewer kernel launches; holds all of a step's gathered parameters and gradients at once); "
+        "auto = model with one rank and no cpu_offload, layer otherwise",
+    )
     logprob_chunk_size: int = Field(
         2048, ge=1, description="positions projected through the LM head at a time (logits are never made whole)"
     )

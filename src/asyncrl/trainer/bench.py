@@ -24,7 +24,7 @@ from asyncrl.errors import AsyncRLError
 from asyncrl.loading import check_model_name
 from asyncrl.trainer.distributed import World, all_reduce_sum, close_distributed, init_distributed
 from asyncrl.trainer.logprobs import compute_logprobs
-from asyncrl.trainer.model import clip_grad_norm, make_optimizer, parallelize, prepare_model
+from asyncrl.trainer.model import clip_grad_norm, fsdp_unit, make_optimizer, parallelize, prepare_model
 from asyncrl.trainer.perf import peak_flops, training_flops
 from asyncrl.trainer.rl import train_step
 from asyncrl.transport.rollouts import MicroBatch
@@ -125,6 +125,7 @@ def run_bench(cfg: TrainerConfig) -> int:
             "device": torch.cuda.get_device_name(world.device) if world.device.type == "cuda" else "cpu",
             "dtype": cfg.model.dtype,
             **cfg.perf.model_dump(),
+            "fsdp_unit": fsdp_unit(world.world_size, cfg.perf),  # "auto" resolved
             "tokens_per_s": step_tokens / step_time,
             "mfu": step_flops / step_time / (peak * world.world_size) if peak else None,
             "step_time_s": step_time,

@@ -1,6 +1,6 @@
 """LoRA (peft) on the trained model: only low-rank adapters train, and only they are published.
 
-`apply_lora` wraps the plain model before FSDP2 sharding, so the adapters are sharded with their layers.
+`apply_lora` wraps the plain model before FSDP2 sharding, so the adapters shard with the unit around them.
 Inference never sees peft: a published adapter folder (transport/weights.py) is merged into the base
 weights when it is loaded, W' = W + (alpha / rank) · B @ A, and served like any state dict.
 peft is imported only where LoRA is on: runs without LoRA neither need it nor pay for its import.

@@ -1,8 +1,9 @@
 """The trained model: load a Hugging Face causal LM in float32, shard it with FSDP2, optimize it, gather it back.
 
 Parallelism is applied to the plain model by `parallelize`, kept apart from loading (as in torchtitan):
-activation checkpointing, then torch.compile, then FSDP2 on each decoder layer and the root. RL, SFT and
-`asyncrl trainer --bench` share this one code path for 1..N ranks (docs/trainer.md).
+activation checkpointing and torch.compile on each decoder layer, then FSDP2 on each decoder layer and the
+root, or on the root alone (`perf.fsdp_unit`). RL, SFT and `asyncrl trainer --bench` share this one code
+path for 1..N ranks (docs/trainer.md).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from asyncrl.trainer.lora import apply_lora
 
 def setup_model(model_cfg: ModelConfig, device: torch.device, perf: PerfConfig) -> PreTrainedModel:
     """Master weights are always float32; `model.dtype = "bfloat16"` only sets the compute dtype (FSDP2).
-    With `model.lora` only adapters train; they are added here, before sharding, so they shard with their layers."""
+    With `model.lora` only adapters train; they are added here, before sharding,
+    so they shard with the FSDP2 unit around them."""
     return apply_lora(prepare_model(load_model(model_cfg, device, dtype=torch.float32), perf), model_cfg.lora)
 
 
@@ -55,11 +57,23 @@ def is_checkpointed(layer_index: int, activation_checkpointing: str) -> bool:
     return activation_checkpointing == "full" or (activation_checkpointing == "selective" and layer_index % 2 == 1)
 
 
+def fsdp_unit(world_size: int, perf: PerfConfig) -> str:
+    """`perf.fsdp_unit` with "auto" resolved. One rank's shard is the whole parameter and its gathered
+    parameters stay from the forward to the backward either way, so units per layer cost it host work per
+    layer (all-gather copy-in, parameter and gradient casts, reduce-scatter) and save memory only at the end
+    of the backward, where one unit holds all unreduced gradients and copies them into one float32 buffer
+    for the reduction. With CPU offload, units per layer send each layer's gradients to the CPU as soon as
+    its backward ends."""
+    if perf.fsdp_unit != "auto":
+        return perf.fsdp_unit
+    return "model" if world_size == 1 and not perf.cpu_offload else "layer"
+
+
 def parallelize(
     model: PreTrainedModel, world_size: int, device: torch.device, dtype: str, perf: PerfConfig
 ) -> PreTrainedModel:
-    """Per decoder layer: activation checkpointing, torch.compile, FSDP2 shard; then shard the root
-    (embeddings, final norm, LM head).
+    """Per decoder layer: activation checkpointing, torch.compile, and with `fsdp_unit` "layer" an FSDP2
+    shard of its own; then shard the root (embeddings, final norm, LM head, and with "model" the layers too).
 
     The wrappers change parameter names (`_checkpoint_wrapped_module.`, `_orig_mod.`);
     `get_model_state_dict` strips them, so published weights and checkpoints keep the model's own names.
@@ -77,14 +91,20 @@ def parallelize(
     # One rank: its shard is the whole parameter, so keeping the gathered (bf16) copy from the forward for the
     # backward costs little memory and saves gathering it again.
     reshard = world_size > 1
+    per_layer = fsdp_unit(world_size, perf) == "layer"
     layers = decoder_layers(model)
     for index, layer in enumerate(list(layers)):
         if is_checkpointed(index, perf.activation_checkpointing):
             layer = checkpoint_wrapper(layer)
         if perf.compile:
             layer = torch.compile(layer)
-        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy, reshard_after_forward=reshard)
+        if per_layer:
+            fully_shard(
+                layer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy, reshard_after_forward=reshard
+            )
         layers[index] = layer
+    # The root keeps its parameters gathered after the forward (FSDP2's default for the root): the chunked
+    # LM head uses its weight after the forward (`compute_logprobs`).
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
