@@ -11,6 +11,8 @@ warm up (CUDA graphs are captured then), then `--repeats` timed runs. Printed pe
 per second (median of the runs; only tokens up to each sample's EOS count), time to first token (median
 over requests: the engine's first streamed token; for Hugging Face, a `generate` of one new token), peak
 memory (GPU: allocated by torch; CPU: the process's peak resident set), and the ratio to Hugging Face.
+On a GPU the engine also runs without its compiled decoding step ("native-eager", `inference.compile =
+false`), so the gain of compiling shows side by side.
 A parity check follows: the engine's sampled-token logprobs against a teacher-forced Hugging Face forward
 of the same weights (float32: max abs difference; the preset's dtype: mismatch KL, mean of rho - r - 1).
 """
@@ -74,7 +76,7 @@ def tokens_until_eos(token_ids: list[int], eos: set[int]) -> int:
 # ---- workers: one backend each, in a process of its own ----
 
 
-def engine_config(preset: Preset, folder: Path, dtype: str, max_batch_size: int):
+def engine_config(preset: Preset, folder: Path, dtype: str, max_batch_size: int, compile: bool = True):
     from asyncrl.config.schema import InferenceConfig
 
     return InferenceConfig(
@@ -83,13 +85,14 @@ def engine_config(preset: Preset, folder: Path, dtype: str, max_batch_size: int)
         seq_len=preset.prompt_len + preset.new_tokens,
         max_batch_size=max_batch_size,
         num_threads=preset.threads,
+        compile=compile,
     )
 
 
-def native_worker(preset: Preset, folder: Path, repeats: int) -> dict:
+def native_worker(preset: Preset, folder: Path, repeats: int, compile: bool = True) -> dict:
     from asyncrl.inference.engine import Engine, GenerationRequest
 
-    engine = Engine(engine_config(preset, folder, preset.dtype, preset.prompts))
+    engine = Engine(engine_config(preset, folder, preset.dtype, preset.prompts, compile))
     prompts = make_prompts(preset)
 
     def one_run(seed: int) -> tuple[float, float, int]:
@@ -108,7 +111,7 @@ def native_worker(preset: Preset, folder: Path, repeats: int) -> dict:
         ttft = statistics.median(first_token[i] - start for i in range(len(prompts)))
         return elapsed, ttft, sum(len(c.token_ids) for c in completions)
 
-    one_run(seed=10_000)  # warm-up: CUDA graphs are captured here
+    one_run(seed=10_000)  # warm-up: decoding is compiled (GPU) and CUDA graphs are captured here
     runs = [one_run(seed=run * len(prompts)) for run in range(repeats)]
     engine.stop()
     return {
@@ -243,14 +246,15 @@ def main() -> None:
     parser.add_argument("--vllm-url", default=None, help="also measure a vLLM server serving the same model folder")
     parser.add_argument("--model-dir", type=Path, default=None, help="model folder (default: built in a temp dir)")
     parser.add_argument("--output", type=Path, default=None, help="also write the figures as JSON here")
-    parser.add_argument("--worker", choices=["native", "hf", "parity"], default=None, help=argparse.SUPPRESS)
+    workers = ["native", "native-eager", "hf", "parity"]
+    parser.add_argument("--worker", choices=workers, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     preset = PRESETS[args.preset]
 
     if args.worker is not None:
         repeats = args.repeats or preset.repeats
-        if args.worker == "native":
-            result = native_worker(preset, args.model_dir, repeats)
+        if args.worker in ("native", "native-eager"):
+            result = native_worker(preset, args.model_dir, repeats, compile=args.worker == "native")
         elif args.worker == "hf":
             result = hf_worker(preset, args.model_dir, min(repeats, preset.hf_repeats))
         else:
@@ -263,6 +267,9 @@ def main() -> None:
     print(f"preset {args.preset}: {asdict(preset)}", flush=True)
     results = {"native": run_worker("native", args, folder)}
     print(f"native: {results['native']}", flush=True)
+    if preset.device == "cuda":  # the same engine without its compiled decoding step (inference.compile = false)
+        results["native-eager"] = run_worker("native-eager", args, folder)
+        print(f"native-eager: {results['native-eager']}", flush=True)
     results["parity"] = run_worker("parity", args, folder)
     print(f"parity: {results['parity']}", flush=True)
     if args.vllm_url:
@@ -273,15 +280,15 @@ def main() -> None:
 
     hf_speed = statistics.median(results["hf"]["tok_s"])
     print(f"\n{args.preset}: {preset.prompts} prompts x {preset.prompt_len} tokens -> {preset.new_tokens} new tokens")
-    print(f"{'backend':<10} {'tok/s':>10} {'runs':>5} {'TTFT s':>8} {'peak GiB':>9} {'vs HF':>7}")
-    for name in ("native", "vllm", "hf"):
+    print(f"{'backend':<12} {'tok/s':>10} {'runs':>5} {'TTFT s':>8} {'peak GiB':>9} {'vs HF':>7}")
+    for name in ("native", "native-eager", "vllm", "hf"):
         if name not in results:
             continue
         figures = results[name]
         speed = statistics.median(figures["tok_s"])
         ttft = "-" if figures["ttft_s"] is None else f"{figures['ttft_s']:.3f}"
         peak = "-" if figures["peak_gib"] is None else f"{figures['peak_gib']:.2f}"
-        print(f"{name:<10} {speed:>10.0f} {len(figures['tok_s']):>5} {ttft:>8} {peak:>9} {speed / hf_speed:>6.1f}x")
+        print(f"{name:<12} {speed:>10.0f} {len(figures['tok_s']):>5} {ttft:>8} {peak:>9} {speed / hf_speed:>6.1f}x")
     for dtype, figures in results["parity"].items():
         print(
             f"parity {dtype}: max |logprob diff| {figures['max_abs_diff']:.2e}, "

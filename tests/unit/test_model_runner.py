@@ -21,20 +21,22 @@ def model(tmp_path_factory):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def runner_for(model, num_slots: int = 8, max_len: int = 32) -> ModelRunner:
+def runner_for(model, num_slots: int = 8, max_len: int = 32, compile: bool = False) -> ModelRunner:
     config = model.config
     cache = KVCache(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, num_slots, max_len,
                     torch.float32, torch.device("cpu"))  # fmt: skip
-    return ModelRunner(model, cache, cuda_graphs=False)
+    return ModelRunner(model, cache, cuda_graphs=False, compile=compile)
 
 
 def last_logits(model, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0, -1]
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @torch.inference_mode()
-def test_prefill_and_decode_match_the_hugging_face_forward(model):
-    runner = runner_for(model)
+def test_prefill_and_decode_match_the_hugging_face_forward(model, compile):
+    """Compiled: the decoding step's elementwise work fused by torch.compile, as on GPUs (here on CPU)."""
+    runner = runner_for(model, compile=compile)
     # Slots 0-1 share prompt 0 (two samples of one request), slot 2 gets prompt 2, slot 3 prompt 1.
     logits = runner.prefill(PROMPTS, rows=[0, 0, 2, 1], first_slot=0)
     for prompt, row in zip(PROMPTS, logits):
@@ -44,6 +46,10 @@ def test_prefill_and_decode_match_the_hugging_face_forward(model):
     decoded = runner.decode(next_tokens, [len(p) for p in prompts])
     for prompt, token, row in zip(prompts, next_tokens, decoded):
         assert torch.allclose(row, last_logits(model, prompt + [token]), atol=1e-5)
+    # A second step with fewer rows (a new batch size: compiled again, with a dynamic batch dimension).
+    [first, second] = runner.decode([21, 22], [len(prompts[0]) + 1] * 2)
+    assert torch.allclose(first, last_logits(model, prompts[0] + [11, 21]), atol=1e-5)
+    assert torch.allclose(second, last_logits(model, prompts[1] + [12, 22]), atol=1e-5)
 
 
 @torch.inference_mode()
@@ -105,3 +111,27 @@ def test_an_unsupported_architecture_is_refused_with_the_fix(model):
     config = model.config.__class__(**{**model.config.to_dict(), "hidden_act": "gelu"})
     with pytest.raises(AsyncRLError, match="activation is 'gelu'.*vLLM"):
         check_supported(config)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash decoding and CUDA graphs need a CUDA GPU")
+@torch.inference_mode()
+def test_flash_decoding_of_grouped_queries_matches_masked_attention_on_a_gpu():
+    """The GPU path (bf16: flash attention over each slot's length, the query heads of a KV head packed as its
+    queries; compiled; CUDA graphs) against the masked attention path of the same runner."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=64)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16).eval()
+    cache = KVCache(2, 2, 64, 8, 32, torch.bfloat16, torch.device("cuda"))
+    runner = ModelRunner(model, cache, cuda_graphs=True, compile=True)
+    assert runner.flash, "this torch has no flash attention with seqused_k"
+    runner.prefill(PROMPTS, rows=[0, 1, 2], first_slot=0)
+    tokens, positions = [11, 12, 13], [len(p) for p in PROMPTS]
+    flash = runner.decode(tokens, positions).float()
+    runner.flash = False  # the same step through the masked path, eager
+    runner.graphs = None
+    masked = runner.decode(tokens, positions).float()
+    assert (flash - masked).abs().max() < 0.05 * masked.abs().max()
+    assert (flash.argmax(-1) == masked.argmax(-1)).all()

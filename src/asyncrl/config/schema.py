@@ -246,6 +246,11 @@ class InferenceConfig(Config):
         "max_batch_size slots need, at most 2 GiB on CPU or 80% of the GPU memory left free by the model",
     )
     cuda_graphs: bool = Field(True, description="replay decoding steps as CUDA graphs (GPU only)")
+    compile: bool = Field(
+        True,
+        description="fuse each decoding step's elementwise work with torch.compile (GPU only; compiles "
+        "on the first requests)",
+    )
     num_threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
     weight_transfer: WeightTransferConfig = WeightTransferConfig()
     admin_token: str | None = Field(

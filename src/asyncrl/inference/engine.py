@@ -9,6 +9,12 @@ the weights while a forward pass runs. Between two steps it runs the commands ot
 3. one decoding step runs for every sample in the batch (`model_runner.py`, a CUDA graph on GPU);
 4. tokens are sampled on the device (`sampling.py`), recorded, and finished samples free their slots.
 
+Decoding runs one step ahead of the host: while the batch stays the same, step t+1 is launched from the
+tokens step t sampled, still on the device, before the host reads step t's tokens (`_step_ahead`). On a
+GPU the host's bookkeeping then overlaps the device's work instead of leaving it idle. A sample that
+finished at step t was decoded once more for nothing; that row is dropped. The step in flight is read
+before anything changes the batch or the weights (a command, a sample joining).
+
 Other threads talk to it through `generate`, `pause`, `resume` and `update_weights`, which return
 `concurrent.futures.Future`s. A weight update lands between two steps: samples in flight continue with the
 new weights (their KV cache of earlier tokens stays as the old weights made it) and every token records the
@@ -33,7 +39,7 @@ from asyncrl.config.schema import InferenceConfig
 from asyncrl.errors import AsyncRLError
 from asyncrl.inference.kv_cache import GIB, KVCache, bytes_per_token, slots_for_budget
 from asyncrl.inference.model_runner import ModelRunner, check_supported
-from asyncrl.inference.sampling import SamplingBatch, sample
+from asyncrl.inference.sampling import HostCopy, SampledTokens, SamplingBatch, sample
 from asyncrl.inference.scheduler import Scheduler
 from asyncrl.inference.sequence import Completion, GenerationRequest, PendingRequest, Sequence, TokenCallback
 from asyncrl.loading import load_model, load_tokenizer, resolve_device
@@ -80,6 +86,17 @@ class EngineStats:
     paused: bool
 
 
+@dataclass
+class InflightStep:
+    """A step whose tokens are sampled (or being sampled) on the device and not yet read by the host."""
+
+    sequences: list[Sequence]  # row i's sample
+    version: int  # the scheduler's version at launch: which batch it decoded
+    context: int  # the longest context it attended (its largest position + 1)
+    sampled: SampledTokens
+    host: HostCopy
+
+
 class Engine:
     """Holds the policy and serves generation requests from one background decoding thread."""
 
@@ -96,13 +113,15 @@ class Engine:
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
 
         self.cache = self._allocate_cache()
-        self.runner = ModelRunner(self.model, self.cache, cuda_graphs=cfg.cuda_graphs)
+        compile_decoding = cfg.compile and self.device.type == "cuda"
+        self.runner = ModelRunner(self.model, self.cache, cuda_graphs=cfg.cuda_graphs, compile=compile_decoding)
         self.scheduler = Scheduler(self.cache.num_slots, MAX_PREFILL_TOKENS)
         self.policy_version = 0
         self.generated_tokens = 0
         self.prompt_tokens = 0
         self._seeds = random.Random(cfg.seed)  # seeds of requests that bring none
         self._sampling: tuple[int, SamplingBatch] | None = None  # the running batch's, by scheduler version
+        self._inflight: InflightStep | None = None  # the decoding step launched last, not yet read
         self._paused = False
         self._stopping = False
         self._commands: list[tuple[Callable[[], Any], Future]] = []
@@ -245,7 +264,14 @@ class Engine:
                     if self._stopping:
                         return
                     commands, self._commands = self._commands, []
-                    admitted = self.scheduler.admit() if not commands and not self._paused else []
+                    ahead = self._inflight is not None and not commands and not self._paused and self._steady()
+                    idle = commands or self._paused or self._inflight is not None
+                    admitted = [] if idle else self.scheduler.admit()
+                if self._inflight is not None and not ahead:
+                    # Something may change the batch or the weights: first read the step in flight.
+                    self._guarded(self._drain)
+                    if not commands:
+                        continue
                 for action, future in commands:
                     if not future.set_running_or_notify_cancel():
                         continue
@@ -255,30 +281,59 @@ class Engine:
                         future.set_exception(error)
                 if commands or self._paused:
                     continue
-                self._step(admitted)
+                if ahead:
+                    self._guarded(self._step_ahead)
+                else:
+                    self._guarded(self._step, admitted)
 
     def _has_work(self) -> bool:
-        if self._stopping or self._commands:
+        if self._stopping or self._commands or self._inflight is not None:
             return True
         return not self._paused and (bool(self.scheduler.running) or self.scheduler.num_waiting > 0)
 
-    def _step(self, admitted: list[Sequence]) -> None:
-        """Prefill the admitted samples, then run one decoding step of the whole batch."""
+    def _steady(self) -> bool:
+        """The batch of the step in flight is still the running batch, and no waiting sample could join it:
+        the next step can be launched from the device before the host reads this one."""
+        could_admit = self.scheduler.num_waiting > 0 and len(self.scheduler.running) < self.cache.num_slots
+        return self._inflight.version == self.scheduler.version and not could_admit
+
+    def _guarded(self, work: Callable[..., None], *args: Any) -> None:
+        """Run a step; if it fails, fail the samples of the batch (not the engine)."""
         try:
-            if admitted:
-                self._prefill(admitted)
-            running = self.scheduler.running
-            if running:
-                tokens = [sequence.token_ids[-1] for sequence in running]
-                positions = [sequence.num_tokens - 1 for sequence in running]
-                logits = self.runner.decode(tokens, positions)
-                self._sample(running, logits, self._running_sampling())
+            work(*args)
         except Exception as error:
+            self._inflight = None
             with self._wakeup:
                 failed = self.scheduler.clear()
             log.exception("generation step failed; failing the %d samples of the batch", len(failed))
             for sequence in failed:
                 sequence.request.fail(AsyncRLError(f"generation failed: {type(error).__name__}: {error}"))
+
+    def _step(self, admitted: list[Sequence]) -> None:
+        """Prefill the admitted samples, then launch one decoding step of the whole batch."""
+        if admitted:
+            self._prefill(admitted)
+        running = self.scheduler.running
+        if running:
+            tokens = [sequence.token_ids[-1] for sequence in running]
+            positions = [sequence.num_tokens - 1 for sequence in running]
+            logits = self.runner.decode(tokens, positions)
+            self._inflight = self._launch(list(running), logits, self._running_sampling(), max(positions) + 1)
+
+    def _step_ahead(self) -> None:
+        """Launch the next decoding step from the tokens the step in flight sampled (still on the device),
+        then read that step on the host while the new one runs."""
+        previous = self._take_inflight()
+        logits = self.runner.decode_next(previous.sampled.token_ids, previous.context + 1)
+        self._inflight = self._launch(previous.sequences, logits, self._running_sampling(), previous.context + 1)
+        self._finish(previous)
+
+    def _drain(self) -> None:
+        self._finish(self._take_inflight())
+
+    def _take_inflight(self) -> InflightStep:
+        step, self._inflight = self._inflight, None
+        return step
 
     def _prefill(self, admitted: list[Sequence]) -> None:
         # The samples of one request admitted together share its prompt: it runs once, its keys and
@@ -294,7 +349,8 @@ class Engine:
         logits = self.runner.prefill([request.request.prompt_ids for request in requests], rows, first_slot)
         if rows != list(range(len(requests))):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        self._sample(admitted, logits, SamplingBatch.of([sequence.params for sequence in admitted], self.device))
+        params = SamplingBatch.of([sequence.params for sequence in admitted], self.device)
+        self._finish(self._launch(admitted, logits, params, context=0))
 
     def _running_sampling(self) -> SamplingBatch:
         version = self.scheduler.version
@@ -303,16 +359,26 @@ class Engine:
             self._sampling = (version, SamplingBatch.of(params, self.device))
         return self._sampling[1]
 
-    def _sample(self, sequences: list[Sequence], logits: torch.Tensor, params: SamplingBatch) -> None:
-        """Sample one token per row (row i is `sequences[i]`), record it, and free finished samples' slots."""
+    def _launch(
+        self, sequences: list[Sequence], logits: torch.Tensor, params: SamplingBatch, context: int
+    ) -> InflightStep:
+        """Queue the sampling of one token per row (row i is `sequences[i]`) and its copy to the host."""
         uniforms = torch.tensor([sequence.rng.random() for sequence in sequences], dtype=torch.float64)
+        if self.device.type == "cuda":
+            uniforms = uniforms.pin_memory()  # so that the copy does not wait for the device
         sampled = sample(logits, params, uniforms.to(self.device, non_blocking=True))
-        token_ids = sampled.token_ids.tolist()
-        logprobs = sampled.logprobs.tolist()
-        top_ids, top_logprobs = sampled.top_ids.tolist(), sampled.top_logprobs.tolist()
+        return InflightStep(sequences, self.scheduler.version, context, sampled, sampled.to_host())
+
+    def _finish(self, step: InflightStep) -> None:
+        """Record the tokens a step sampled, and free finished samples' slots. Rows of samples that left
+        the batch while the step ran (it was launched ahead) were decoded for nothing and are skipped."""
+        token_ids, logprobs, top_ids, top_logprobs = step.host.read()
+        still_running = None if step.version == self.scheduler.version else set(self.scheduler.running)
         version = self.policy_version
         leaving = []
-        for row, sequence in enumerate(sequences):
+        for row, sequence in enumerate(step.sequences):
+            if still_running is not None and sequence not in still_running:
+                continue
             if sequence.abandoned:
                 leaving.append(sequence)
                 continue

@@ -21,6 +21,9 @@ Face forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -92,6 +95,62 @@ def normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
+def split_heads(
+    qkv: torch.Tensor,
+    qk_scale: torch.Tensor | None,
+    qk_eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused q/k/v projection's output as queries, keys, values [..., heads, head_dim], with Qwen3's q/k
+    norms (`qk_scale`: their weights, one row per head) and rotary embeddings applied."""
+    qkv = qkv.unflatten(-1, (-1, head_dim))
+    num_kv_heads = (qkv.shape[-2] - num_heads) // 2
+    qk, v = qkv.split([num_heads + num_kv_heads, num_kv_heads], dim=-2)
+    if qk_scale is not None:
+        qk = normalize(qk, qk_eps) * qk_scale
+    qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * sin
+    return qk[..., :num_heads, :], qk[..., num_heads:, :], v
+
+
+def add_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual addition and the RMS norm that reads its result: the new residual stream and the norm."""
+    x = x + delta
+    return x, normalize(x, eps) * weight
+
+
+def split_heads_contiguous(*args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`split_heads` with each output written contiguously, by the compiled kernel itself: the cache writes
+    and attention then copy nothing."""
+    return tuple(tensor.contiguous() for tensor in split_heads(*args))
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class DecodeOps(NamedTuple):
+    """The elementwise work between a decoding step's matrix products and attention kernels."""
+
+    split_heads: Callable = split_heads
+    add_norm: Callable = add_norm
+    swiglu: Callable = swiglu
+
+    @classmethod
+    def compiled(cls) -> DecodeOps:
+        """The same functions through torch.compile, each fused into one or two kernels: unfused, they are
+        ~20 small kernels per layer, most of a GPU decoding step's kernel count. Compiled on first use for
+        the first batch size, and once more for all others (torch's automatic dynamic shapes); the CUDA
+        graphs then capture the compiled kernels like any others."""
+        functions = (split_heads_contiguous, add_norm, swiglu)
+        return cls(*(torch.compile(function, fullgraph=True) for function in functions))
+
+
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) matrix whose row blocks are the given layers' parameters: each layer's parameter
     becomes a view of its block, so whatever is copied into the parameters lands in the fused matrix."""
@@ -112,7 +171,8 @@ def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, cache: KVCache, cuda_graphs: bool):
+    def __init__(self, model: nn.Module, cache: KVCache, cuda_graphs: bool, compile: bool = False):
+        """`compile`: fuse the decoding step's elementwise work with torch.compile (`DecodeOps.compiled`)."""
         config = model.config
         check_supported(config)
         self.model = model
@@ -137,6 +197,7 @@ class ModelRunner:
         # The decoding step reads its inputs from these buffers, so a captured graph sees each step's values.
         self.tokens = torch.zeros(cache.num_slots, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(cache.num_slots, dtype=torch.long, device=self.device)
+        self.ops = DecodeOps.compiled() if compile else DecodeOps()
         self.graphs = DecodeGraphs(self._decode_step) if cuda_graphs and self.device.type == "cuda" else None
         # CPU, float32: the larger linear weights reordered for oneDNN (a second copy), refreshed on updates.
         self.pack = PACKED_LINEAR is not None and self.device.type == "cpu" and embeddings.dtype == torch.float32
@@ -144,9 +205,11 @@ class ModelRunner:
         self._pack_weights()
         half = cache.keys.dtype in (torch.float16, torch.bfloat16)
         self.flash = FLASH_DECODE is not None and self.device.type == "cuda" and half
-        # Flash attention's view of the cache: one query per row; row i's keys start at slot i's first position.
-        self.query_starts = torch.arange(cache.num_slots + 1, dtype=torch.int32, device=self.device)
-        self.key_starts = self.query_starts * cache.max_len
+        # Flash attention's view of the batch: row i's `group` queries (`_flash_decode`) start at i x group, its
+        # keys at slot i's first position.
+        slots = torch.arange(cache.num_slots + 1, dtype=torch.int32, device=self.device)
+        self.query_starts = slots * (self.num_heads // self.num_kv_heads)
+        self.key_starts = slots * cache.max_len
 
     def weights_loaded(self) -> None:
         """Refresh what is derived from the weights after new ones were copied into the parameters; in place,
@@ -205,24 +268,35 @@ class ModelRunner:
             x = x + self._layer_linear(attention.transpose(1, 2).flatten(2), layer.self_attn.o_proj)
             x = x + self._mlp(index, rms_norm(x, layer.post_attention_layernorm))
         last = x[torch.arange(len(prompts), device=self.device), torch.tensor(lengths, device=self.device) - 1]
-        return self._logits(last)
+        return self._layer_linear(rms_norm(last, self.model.model.norm), self.model.get_output_embeddings())
 
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """Feed token i at position i of slot i, for the running slots [0, len(tokens)); returns the logits
         [len(tokens), vocab]."""
         count = len(tokens)
         context = max(positions) + 1
-        if self.graphs is not None:
-            batch, context = bucket(count, self.cache.num_slots), bucket(context, self.cache.max_len)
-        else:
-            batch = count
+        batch = bucket(count, self.cache.num_slots) if self.graphs is not None else count
         # Padding rows decode token 0 at position 0 of free slots: harmless, the next prefill overwrites it.
         padding = [0] * (batch - count)
         inputs = torch.tensor([tokens + padding, positions + padding])
+        if self.device.type == "cuda":
+            inputs = inputs.pin_memory()  # so that the copy does not wait for the device's queued work
         self.tokens[:batch].copy_(inputs[0], non_blocking=True)
         self.positions[:batch].copy_(inputs[1], non_blocking=True)
+        return self._run_step(count, batch, context)
+
+    def decode_next(self, tokens: torch.Tensor, context: int) -> torch.Tensor:
+        """The next step of the batch the last `decode` or `decode_next` ran, fed from the device: row i's
+        token `tokens[i]` goes one position past row i's last one. `context`: the new longest context."""
+        count = tokens.shape[0]
+        self.tokens[:count].copy_(tokens)
+        self.positions[:count] += 1
+        batch = bucket(count, self.cache.num_slots) if self.graphs is not None else count
+        return self._run_step(count, batch, context)
+
+    def _run_step(self, count: int, batch: int, context: int) -> torch.Tensor:
         if self.graphs is not None:
-            return self.graphs.run(batch, context)[:count]
+            return self.graphs.run(batch, bucket(context, self.cache.max_len))[:count]
         return self._decode_step(batch, context)
 
     def _decode_step(self, batch: int, context: int) -> torch.Tensor:
@@ -237,8 +311,13 @@ class ModelRunner:
             mask = torch.zeros(batch, 1, 1, context, dtype=self.cos.dtype, device=self.device)
             mask.masked_fill_(hidden[:, None, None], float("-inf"))
         x = F.embedding(tokens, self.model.get_input_embeddings().weight)
+        h = rms_norm(x, self.layers[0].input_layernorm)
+        # Each residual addition goes with the norm that follows it (the next layer's, or the final one).
+        norms = [layer.post_attention_layernorm for layer in self.layers]
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.model.model.norm]
         for index, layer in enumerate(self.layers):
-            q, k, v = self._project_qkv(index, rms_norm(x, layer.input_layernorm), cos, sin)
+            qkv = self._linear(h, *self.qkv[index])
+            q, k, v = self.ops.split_heads(qkv, *self._qk_norm(index), cos, sin, self.num_heads, self.head_dim)
             keys, values = self.cache.keys[index], self.cache.values[index]
             keys[rows, positions] = k
             values[rows, positions] = v
@@ -246,28 +325,36 @@ class ModelRunner:
                 attention = self._flash_decode(q, keys, values, batch, context, used)
             else:
                 attention = self._masked_decode(q, keys, values, batch, context, mask)
-            x = x + self._layer_linear(attention.reshape(batch, -1), layer.self_attn.o_proj)
-            x = x + self._mlp(index, rms_norm(x, layer.post_attention_layernorm))
-        return self._logits(x)
+            delta = self._layer_linear(attention.reshape(batch, -1), layer.self_attn.o_proj)
+            x, h = self.ops.add_norm(x, delta, norms[index].weight, norms[index].variance_epsilon)
+            activation = self.ops.swiglu(self._linear(h, *self.gate_up[index]))
+            delta = self._layer_linear(activation, layer.mlp.down_proj)
+            x, h = self.ops.add_norm(x, delta, next_norms[index].weight, next_norms[index].variance_epsilon)
+        return self._layer_linear(h, self.model.get_output_embeddings())
 
     def _flash_decode(self, q, keys, values, batch: int, context: int, used: torch.Tensor) -> torch.Tensor:
         """Flash attention reads the cache as [slots x max_len, kv heads, dim] with slot i's keys starting at
-        i x max_len, of which it uses `used[i]`; it serves grouped-query heads itself. `context` (at least
-        the longest used length) only sizes its work."""
+        i x max_len, of which it uses `used[i]`. The `group` query heads that share a KV head go in as that
+        head's `group` queries (not causal: all see the same keys), so each KV head's keys are read once per
+        row, not once per query head. `context` (at least the longest used length) only sizes its work."""
+        group = self.num_heads // self.num_kv_heads
         flat = (self.cache.num_slots * self.cache.max_len, self.num_kv_heads, self.head_dim)
-        return FLASH_DECODE(
-            q.contiguous(),
+        # [batch, heads, dim] -> [batch x group, kv heads, dim]: query head kv x group + g is row g of KV head kv.
+        queries = q.reshape(batch, self.num_kv_heads, group, self.head_dim).transpose(1, 2)
+        attention = FLASH_DECODE(
+            queries.reshape(batch * group, self.num_kv_heads, self.head_dim),
             keys.view(flat),
             values.view(flat),
             self.query_starts[: batch + 1],
             self.key_starts[: batch + 1],
-            1,
+            group,
             context,
             0.0,
             False,
             False,
             seqused_k=used,
         )[0]
+        return attention.view(batch, group, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
     def _masked_decode(self, q, keys, values, batch: int, context: int, mask: torch.Tensor) -> torch.Tensor:
         """Grouped-query attention without repeating keys: the `group` query heads that share a KV head are
@@ -281,23 +368,19 @@ class ModelRunner:
                 attn_mask=mask,
             )
 
+    def _qk_norm(self, index: int) -> tuple[torch.Tensor | None, float]:
+        """Layer `index`'s q/k norm weights (one row per head) and epsilon; None where the model has none."""
+        if not self.qk_norm:
+            return None, 0.0
+        return self.qk_scales[index], self.layers[index].self_attn.q_norm.variance_epsilon
+
     def _project_qkv(
         self, index: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys, values of layer `index` as [..., heads, head_dim], q/k norms and rotary applied."""
-        weight, bias = self.qkv[index]
-        qkv = self._linear(h, weight, bias).unflatten(-1, (-1, self.head_dim))
-        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=-2)
-        if self.qk_norm:
-            epsilon = self.layers[index].self_attn.q_norm.variance_epsilon
-            qk = normalize(qk, epsilon) * self.qk_scales[index]
-        qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * sin
-        return qk[..., : self.num_heads, :], qk[..., self.num_heads :, :], v
+        qkv = self._linear(h, *self.qkv[index])
+        return split_heads(qkv, *self._qk_norm(index), cos, sin, self.num_heads, self.head_dim)
 
     def _mlp(self, index: int, h: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.gate_up[index]
-        gate, up = self._linear(h, weight, bias).chunk(2, dim=-1)
-        return self._layer_linear(F.silu(gate) * up, self.layers[index].mlp.down_proj)
-
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self._layer_linear(rms_norm(h, self.model.model.norm), self.model.get_output_embeddings())
+        activation = swiglu(self._linear(h, *self.gate_up[index]))
+        return self._layer_linear(activation, self.layers[index].mlp.down_proj)

@@ -72,6 +72,37 @@ class SampledTokens:
     top_ids: torch.Tensor  # [B, K] long, K = the largest top_logprobs asked for in the batch (may be 0)
     top_logprobs: torch.Tensor  # [B, K] float32
 
+    def to_host(self) -> HostCopy:
+        return HostCopy(self)
+
+
+class HostCopy:
+    """Sampled tokens on their way to the host: one device-to-host copy of all four tables, queued behind the
+    work that makes them. On a GPU it lands in pinned memory and `read` waits for it alone, not for the
+    device's later work, so the next decoding step can already run (the engine decodes one step ahead).
+    Token ids and float32 values are exact in float64."""
+
+    def __init__(self, sampled: SampledTokens):
+        self.top = sampled.top_ids.shape[1]
+        columns = (sampled.token_ids[:, None], sampled.logprobs[:, None], sampled.top_ids, sampled.top_logprobs)
+        table = torch.cat([column.double() for column in columns], dim=1)
+        self.ready = None
+        if table.device.type == "cuda":
+            self.table = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+            self.table.copy_(table, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.table = table
+
+    def read(self) -> tuple[list[int], list[float], list[list[int]], list[list[float]]]:
+        """Token ids, their logprobs, and the top ids and logprobs of each row, as Python lists."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        rows = self.table.tolist()
+        top_ids = [[int(token) for token in row[2 : 2 + self.top]] for row in rows]
+        return [int(row[0]) for row in rows], [row[1] for row in rows], top_ids, [row[2 + self.top :] for row in rows]
+
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, uniforms: torch.Tensor) -> SampledTokens:
     """`logits` [B, V]; `uniforms` [B] float64 in [0, 1), one fresh draw per row from the row's generator."""
