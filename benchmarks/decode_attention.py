@@ -48,7 +48,7 @@ def flash_decode(q, keys, values, used, context: int, query_starts, key_starts) 
         False,
         seqused_k=used,
     )[0]
-    return attention.view(batch, group, kv_heads, dim).transpose(1, 2)
+    return attention.view(batch, group, kv_heads, dim).transpose(1, 2).reshape(batch, heads, dim)
 
 
 def reference(q, keys, values, used) -> torch.Tensor:

@@ -11,8 +11,8 @@ warm up (CUDA graphs are captured then), then `--repeats` timed runs. Printed pe
 per second (median of the runs; only tokens up to each sample's EOS count), time to first token (median
 over requests: the engine's first streamed token; for Hugging Face, a `generate` of one new token), peak
 memory (GPU: allocated by torch; CPU: the process's peak resident set), and the ratio to Hugging Face.
-On a GPU the engine also runs without its compiled decoding step ("native-eager", `inference.compile =
-false`), so the gain of compiling shows side by side.
+On a GPU the engine also runs as `GPU_VARIANTS` set it (torch's flash attention instead of our Triton
+decoding kernel; no compiled decoding step), so what each part gains shows side by side.
 A parity check follows: the engine's sampled-token logprobs against a teacher-forced Hugging Face forward
 of the same weights (float32: max abs difference; the preset's dtype: mismatch KL, mean of rho - r - 1).
 """
@@ -76,7 +76,11 @@ def tokens_until_eos(token_ids: list[int], eos: set[int]) -> int:
 # ---- workers: one backend each, in a process of its own ----
 
 
-def engine_config(preset: Preset, folder: Path, dtype: str, max_batch_size: int, compile: bool = True):
+# Engine settings compared on a GPU, each against the defaults ("native").
+GPU_VARIANTS = {"native-flash": {"decode_attention": "flash"}, "native-eager": {"compile": False}}
+
+
+def engine_config(preset: Preset, folder: Path, dtype: str, max_batch_size: int, **settings):
     from asyncrl.config.schema import InferenceConfig
 
     return InferenceConfig(
@@ -85,14 +89,14 @@ def engine_config(preset: Preset, folder: Path, dtype: str, max_batch_size: int,
         seq_len=preset.prompt_len + preset.new_tokens,
         max_batch_size=max_batch_size,
         num_threads=preset.threads,
-        compile=compile,
+        **settings,
     )
 
 
-def native_worker(preset: Preset, folder: Path, repeats: int, compile: bool = True) -> dict:
+def native_worker(preset: Preset, folder: Path, repeats: int, settings: dict) -> dict:
     from asyncrl.inference.engine import Engine, GenerationRequest
 
-    engine = Engine(engine_config(preset, folder, preset.dtype, preset.prompts, compile))
+    engine = Engine(engine_config(preset, folder, preset.dtype, preset.prompts, **settings))
     prompts = make_prompts(preset)
 
     def one_run(seed: int) -> tuple[float, float, int]:
@@ -246,15 +250,15 @@ def main() -> None:
     parser.add_argument("--vllm-url", default=None, help="also measure a vLLM server serving the same model folder")
     parser.add_argument("--model-dir", type=Path, default=None, help="model folder (default: built in a temp dir)")
     parser.add_argument("--output", type=Path, default=None, help="also write the figures as JSON here")
-    workers = ["native", "native-eager", "hf", "parity"]
+    workers = ["native", *GPU_VARIANTS, "hf", "parity"]
     parser.add_argument("--worker", choices=workers, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     preset = PRESETS[args.preset]
 
     if args.worker is not None:
         repeats = args.repeats or preset.repeats
-        if args.worker in ("native", "native-eager"):
-            result = native_worker(preset, args.model_dir, repeats, compile=args.worker == "native")
+        if args.worker == "native" or args.worker in GPU_VARIANTS:
+            result = native_worker(preset, args.model_dir, repeats, GPU_VARIANTS.get(args.worker, {}))
         elif args.worker == "hf":
             result = hf_worker(preset, args.model_dir, min(repeats, preset.hf_repeats))
         else:
@@ -267,9 +271,9 @@ def main() -> None:
     print(f"preset {args.preset}: {asdict(preset)}", flush=True)
     results = {"native": run_worker("native", args, folder)}
     print(f"native: {results['native']}", flush=True)
-    if preset.device == "cuda":  # the same engine without its compiled decoding step (inference.compile = false)
-        results["native-eager"] = run_worker("native-eager", args, folder)
-        print(f"native-eager: {results['native-eager']}", flush=True)
+    for variant in GPU_VARIANTS if preset.device == "cuda" else []:
+        results[variant] = run_worker(variant, args, folder)
+        print(f"{variant}: {results[variant]}", flush=True)
     results["parity"] = run_worker("parity", args, folder)
     print(f"parity: {results['parity']}", flush=True)
     if args.vllm_url:
@@ -281,7 +285,7 @@ def main() -> None:
     hf_speed = statistics.median(results["hf"]["tok_s"])
     print(f"\n{args.preset}: {preset.prompts} prompts x {preset.prompt_len} tokens -> {preset.new_tokens} new tokens")
     print(f"{'backend':<12} {'tok/s':>10} {'runs':>5} {'TTFT s':>8} {'peak GiB':>9} {'vs HF':>7}")
-    for name in ("native", "native-eager", "vllm", "hf"):
+    for name in ("native", *GPU_VARIANTS, "vllm", "hf"):
         if name not in results:
             continue
         figures = results[name]

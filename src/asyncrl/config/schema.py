@@ -251,6 +251,11 @@ class InferenceConfig(Config):
         description="fuse each decoding step's elementwise work with torch.compile (GPU only; compiles "
         "on the first requests)",
     )
+    decode_attention: Literal["auto", "triton", "flash", "sdpa"] = Field(
+        "auto",
+        description="decoding attention kernel: triton (split-KV), flash (torch's flash attention) or sdpa "
+        "(masked); auto: triton, else flash, on a GPU in half precision, sdpa elsewhere",
+    )
     num_threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
     weight_transfer: WeightTransferConfig = WeightTransferConfig()
     admin_token: str | None = Field(

@@ -114,7 +114,9 @@ class Engine:
 
         self.cache = self._allocate_cache()
         compile_decoding = cfg.compile and self.device.type == "cuda"
-        self.runner = ModelRunner(self.model, self.cache, cuda_graphs=cfg.cuda_graphs, compile=compile_decoding)
+        self.runner = ModelRunner(
+            self.model, self.cache, cfg.cuda_graphs, compile=compile_decoding, attention=cfg.decode_attention
+        )
         self.scheduler = Scheduler(self.cache.num_slots, MAX_PREFILL_TOKENS)
         self.policy_version = 0
         self.generated_tokens = 0

@@ -13,10 +13,10 @@ Face forward.
 - Prefill: the distinct prompts, right-padded to the longest, through causal attention (padding sits after
   every real token, so no mask is needed); keys and values go to the samples' slots, one row per sample.
 - Decode: one token per running sample; slot i of the KV cache is batch row i. Attention reads the slots in
-  place. On a GPU in half precision it is flash attention over each slot's own length (`seqused_k`), so
-  no row reads keys past its end; elsewhere scaled-dot-product attention up to the longest context of the
-  batch, with each row's length as the mask. On a GPU the step is replayed from a CUDA graph
-  (`cuda_graphs.py`).
+  place. On a GPU in half precision a kernel reads each slot up to its own length, so no row reads keys
+  past its end: our Triton split-KV kernel (`decode_attention.py`) or torch's flash attention
+  (`seqused_k`); elsewhere scaled-dot-product attention up to the longest context of the batch, with each
+  row's length as the mask. On a GPU the step is replayed from a CUDA graph (`cuda_graphs.py`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from asyncrl.errors import AsyncRLError
 from asyncrl.inference.cuda_graphs import DecodeGraphs, bucket
+from asyncrl.inference.decode_attention import AVAILABLE as TRITON_DECODE
+from asyncrl.inference.decode_attention import decode_attention
 from asyncrl.inference.kv_cache import KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
@@ -67,11 +69,29 @@ PACKED_ROWS_HINT = 64  # rows oneDNN tunes the packed layout for (a decoding bat
 # 1.0 ms, 5.2 vs 5.0 ms); the 30M preset's smallest matrix (512 x 512) gains.
 PACKED_MIN_WEIGHT = 1 << 18
 
-# Decoding without FLASH_DECODE (CPU; float32 on a GPU) attends under a mask. On a GPU, where flash takes no
-# mask, it is pinned to the memory-efficient kernel (on the H200, bf16, batch 128 x context 384: 0.12 ms per
-# layer; cuDNN's 0.10, math 0.66; FLASH_DECODE later measured 0.05), which captures into CUDA graphs,
-# rather than left to per-shape dispatch. On CPU, flash takes masks and beats math ~2x.
+# Decoding with "sdpa" (CPU; float32 on a GPU) attends under a mask. On a GPU, where flash takes no mask, it is
+# pinned to the memory-efficient kernel (on the H200, bf16, batch 128 x context 384: 0.12 ms per layer;
+# cuDNN's 0.10, math 0.66; FLASH_DECODE later measured 0.05), which captures into CUDA graphs, rather than
+# left to per-shape dispatch. On CPU, flash takes masks and beats math ~2x.
 DECODE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def decode_attention_kernel(choice: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The decoding attention kernel for `inference.decode_attention`: "triton" (`decode_attention.py`),
+    "flash" (torch's flash attention, `seqused_k`) or "sdpa" (scaled-dot-product attention under a mask).
+    "auto": triton, else flash, on a GPU in half precision; sdpa elsewhere (CPU, or float32, where the others
+    would multiply in lower precision)."""
+    gpu_half = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    available = {"triton": gpu_half and TRITON_DECODE, "flash": gpu_half and FLASH_DECODE is not None, "sdpa": True}
+    if choice == "auto":
+        return next(kernel for kernel, ok in available.items() if ok)
+    if not available[choice]:
+        needs = "triton" if choice == "triton" else "a torch whose flash attention takes seqused_k"
+        raise AsyncRLError(
+            f"inference.decode_attention = '{choice}' needs a CUDA GPU, a float16/bfloat16 model and {needs} "
+            "(use 'auto')"
+        )
+    return choice
 
 
 def check_supported(config) -> None:
@@ -171,8 +191,11 @@ def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, cache: KVCache, cuda_graphs: bool, compile: bool = False):
-        """`compile`: fuse the decoding step's elementwise work with torch.compile (`DecodeOps.compiled`)."""
+    def __init__(
+        self, model: nn.Module, cache: KVCache, cuda_graphs: bool, compile: bool = False, attention: str = "auto"
+    ):
+        """`compile`: fuse the decoding step's elementwise work with torch.compile (`DecodeOps.compiled`).
+        `attention`: the decoding attention kernel (`decode_attention_kernel`)."""
         config = model.config
         check_supported(config)
         self.model = model
@@ -203,8 +226,7 @@ class ModelRunner:
         self.pack = PACKED_LINEAR is not None and self.device.type == "cpu" and embeddings.dtype == torch.float32
         self.packed: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
         self._pack_weights()
-        half = cache.keys.dtype in (torch.float16, torch.bfloat16)
-        self.flash = FLASH_DECODE is not None and self.device.type == "cuda" and half
+        self.attention = decode_attention_kernel(attention, self.device, cache.keys.dtype)
         # Flash attention's view of the batch: row i's `group` queries (`_flash_decode`) start at i x group, its
         # keys at slot i's first position.
         slots = torch.arange(cache.num_slots + 1, dtype=torch.int32, device=self.device)
@@ -303,7 +325,7 @@ class ModelRunner:
         tokens, positions = self.tokens[:batch], self.positions[:batch]
         rows = torch.arange(batch, device=self.device)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        if self.flash:
+        if self.attention != "sdpa":
             used = (positions + 1).to(torch.int32)  # row i attends to positions 0..positions[i] of its slot
         else:
             # The same as an additive mask over the batch's longest context, made once per step.
@@ -321,7 +343,9 @@ class ModelRunner:
             keys, values = self.cache.keys[index], self.cache.values[index]
             keys[rows, positions] = k
             values[rows, positions] = v
-            if self.flash:
+            if self.attention == "triton":
+                attention = decode_attention(q, keys, values, used, context)
+            elif self.attention == "flash":
                 attention = self._flash_decode(q, keys, values, batch, context, used)
             else:
                 attention = self._masked_decode(q, keys, values, batch, context, mask)
