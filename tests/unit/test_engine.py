@@ -31,9 +31,12 @@ def config(model_dir, dtype: str = "float32", **fields) -> InferenceConfig:
     return InferenceConfig(model=model, seq_len=128, max_batch_size=4, num_threads=1, **fields)
 
 
-@pytest.fixture
-def engine(model_dir):
+@pytest.fixture(params=[False, True], ids=["step-by-step", "one-step-ahead"])
+def engine(model_dir, request):
+    """Each test runs twice: as a CPU decodes (the host reads each step before the next), and one step ahead
+    as a GPU decodes (the next step launched before the host reads the last)."""
     engine = Engine(config(model_dir))
+    engine.decode_ahead = request.param
     yield engine
     engine.stop()
 

@@ -9,11 +9,12 @@ the weights while a forward pass runs. Between two steps it runs the commands ot
 3. one decoding step runs for every sample in the batch (`model_runner.py`, a CUDA graph on GPU);
 4. tokens are sampled on the device (`sampling.py`), recorded, and finished samples free their slots.
 
-Decoding runs one step ahead of the host: while the batch stays the same, step t+1 is launched from the
-tokens step t sampled, still on the device, before the host reads step t's tokens (`_step_ahead`). On a
-GPU the host's bookkeeping then overlaps the device's work instead of leaving it idle. A sample that
-finished at step t was decoded once more for nothing; that row is dropped. The step in flight is read
-before anything changes the batch or the weights (a command, a sample joining).
+On a GPU, decoding runs one step ahead of the host: while the batch stays the same, step t+1 is launched
+from the tokens step t sampled, still on the device, before the host reads step t's tokens
+(`_step_ahead`), so the host's bookkeeping overlaps the device's work instead of leaving it idle. A sample
+that finished at step t was decoded once more for nothing; that row is dropped. The step in flight is read
+before anything changes the batch or the weights (a command, a sample joining), and no step is launched
+ahead when every sample ends with the one in flight.
 
 Other threads talk to it through `generate`, `pause`, `resume` and `update_weights`, which return
 `concurrent.futures.Future`s. A weight update lands between two steps: samples in flight continue with the
@@ -124,6 +125,9 @@ class Engine:
         self._seeds = random.Random(cfg.seed)  # seeds of requests that bring none
         self._sampling: tuple[int, SamplingBatch] | None = None  # the running batch's, by scheduler version
         self._inflight: InflightStep | None = None  # the decoding step launched last, not yet read
+        # Decoding one step ahead overlaps the host's work with the device's: a GPU gains, a CPU (which runs
+        # the step on the calling thread) would only decode rows of finished samples for nothing.
+        self.decode_ahead = self.device.type == "cuda"
         self._paused = False
         self._stopping = False
         self._commands: list[tuple[Callable[[], Any], Future]] = []
@@ -294,10 +298,15 @@ class Engine:
         return not self._paused and (bool(self.scheduler.running) or self.scheduler.num_waiting > 0)
 
     def _steady(self) -> bool:
-        """The batch of the step in flight is still the running batch, and no waiting sample could join it:
-        the next step can be launched from the device before the host reads this one."""
-        could_admit = self.scheduler.num_waiting > 0 and len(self.scheduler.running) < self.cache.num_slots
-        return self._inflight.version == self.scheduler.version and not could_admit
+        """The batch of the step in flight is still the running batch, no waiting sample could join it, and
+        not every sample ends with the step in flight (reaching max_tokens): the next step can be launched
+        from the device before the host reads this one, and is not known to be wasted."""
+        if not self.decode_ahead or self._inflight.version != self.scheduler.version:
+            return False
+        running = self.scheduler.running
+        if self.scheduler.num_waiting > 0 and len(running) < self.cache.num_slots:
+            return False
+        return not all(len(sequence.token_ids) + 1 >= sequence.params.max_tokens for sequence in running)
 
     def _guarded(self, work: Callable[..., None], *args: Any) -> None:
         """Run a step; if it fails, fail the samples of the batch (not the engine)."""
