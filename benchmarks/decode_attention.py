@@ -3,7 +3,7 @@
     python benchmarks/decode_attention.py                 # Qwen3-0.6B's shape: 16 heads, 8 KV heads, dim 128
     python benchmarks/decode_attention.py --batch 32 --max-len 2048 --min-used 1024
 
-Both read the KV cache in place as the engine does: flash attention as `ModelRunner._flash_decode` calls it
+Both read the KV cache in place as the engine does: flash attention through the engine's `flash_decode`
 (each row's `group` query heads packed as its KV heads' queries, `seqused_k`), the Triton kernel
 (`asyncrl.inference.decode_attention`) at its default split size and at a few other block and split sizes.
 Each is timed as the engine runs it, replayed from a CUDA graph (20 calls per graph, the calls rotating over
@@ -22,33 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.inference.decode_attention import AVAILABLE, decode_attention, default_split_size
-from asyncrl.inference.model_runner import FLASH_DECODE
+from asyncrl.inference.model_runner import FLASH_DECODE, flash_decode
 
 CALLS_PER_GRAPH = 20
-
-
-def flash_decode(q, keys, values, used, context: int, query_starts, key_starts) -> torch.Tensor:
-    """`ModelRunner._flash_decode`: the cache as [slots x max_len, kv heads, dim], row i's keys from
-    i x max_len; query head kv x group + g is row g of KV head kv among row i's `group` queries."""
-    batch, heads, dim = q.shape
-    slots, max_len, kv_heads, _ = keys.shape
-    group = heads // kv_heads
-    flat = (slots * max_len, kv_heads, dim)
-    queries = q.reshape(batch, kv_heads, group, dim).transpose(1, 2)
-    attention = FLASH_DECODE(
-        queries.reshape(batch * group, kv_heads, dim),
-        keys.view(flat),
-        values.view(flat),
-        query_starts,
-        key_starts,
-        group,
-        context,
-        0.0,
-        False,
-        False,
-        seqused_k=used,
-    )[0]
-    return attention.view(batch, group, kv_heads, dim).transpose(1, 2).reshape(batch, heads, dim)
 
 
 def reference(q, keys, values, used) -> torch.Tensor:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from asyncrl.errors import AsyncRLError
+from asyncrl.inference import model_runner
 from asyncrl.inference.kv_cache import KVCache
 from asyncrl.inference.model_runner import ModelRunner, check_supported, decode_attention_kernel
 from asyncrl.models import init_model
@@ -141,3 +143,35 @@ def test_a_decoding_kernel_the_device_lacks_is_refused_with_the_fix():
     with pytest.raises(AsyncRLError, match="decode_attention = 'flash' needs a CUDA GPU.*use 'auto'"):
         decode_attention_kernel("flash", torch.device("cpu"), torch.float32)
     assert decode_attention_kernel("auto", torch.device("cpu"), torch.bfloat16) == "sdpa"
+
+
+def emulated_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, seqused_k):
+    """torch's varlen flash attention forward as the engine calls it (not causal, `seqused_k`), on CPU."""
+    assert not causal and dropout == 0.0
+    out = torch.empty_like(q)
+    for i in range(len(cu_q) - 1):
+        queries = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1)  # [heads, queries, dim]
+        start = int(cu_k[i])
+        keys = k[start : start + int(seqused_k[i])].transpose(0, 1)
+        values = v[start : start + int(seqused_k[i])].transpose(0, 1)
+        out[cu_q[i] : cu_q[i + 1]] = F.scaled_dot_product_attention(queries, keys, values).transpose(0, 1)
+    return (out,)
+
+
+@torch.inference_mode()
+def test_flash_decoding_packs_grouped_query_heads_as_their_kv_heads_queries(monkeypatch):
+    """The "flash" path's layout (a KV head's query heads as its queries, rows' keys at their slots) checked
+    on CPU against the masked path, with flash attention's forward emulated."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=32)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    monkeypatch.setattr(model_runner, "FLASH_DECODE", emulated_flash_forward)
+    runner = runner_for(model)
+    runner.prefill(PROMPTS, rows=[0, 1, 2], first_slot=0)
+    tokens, positions = [11, 12, 13], [len(p) for p in PROMPTS]
+    masked = runner.decode(tokens, positions).clone()
+    runner.attention = "flash"
+    assert torch.allclose(runner.decode(tokens, positions), masked, atol=1e-5)

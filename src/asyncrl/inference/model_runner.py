@@ -94,6 +94,34 @@ def decode_attention_kernel(choice: str, device: torch.device, dtype: torch.dtyp
     return choice
 
 
+def flash_decode(q, keys, values, used, context: int, query_starts, key_starts) -> torch.Tensor:
+    """torch's flash attention over the cache in place, read as [slots x max_len, kv heads, dim]: row i's keys
+    start at `key_starts[i]` (i x max_len) and it uses `used[i]` of them. The `group` query heads that share
+    a KV head go in as that head's `group` queries (`query_starts[i]` = i x group; not causal: all see the
+    same keys), so each KV head's keys are read once per row, not once per query head. `context` (at least
+    the longest used length) only sizes its work. q: [batch, heads, dim]; returns the same shape."""
+    batch, heads, dim = q.shape
+    slots, max_len, kv_heads, _ = keys.shape
+    group = heads // kv_heads
+    flat = (slots * max_len, kv_heads, dim)
+    # Query head kv x group + g is row g of KV head kv.
+    queries = q.reshape(batch, kv_heads, group, dim).transpose(1, 2).reshape(batch * group, kv_heads, dim)
+    attention = FLASH_DECODE(
+        queries,
+        keys.view(flat),
+        values.view(flat),
+        query_starts,
+        key_starts,
+        group,
+        context,
+        0.0,
+        False,
+        False,
+        seqused_k=used,
+    )[0]
+    return attention.view(batch, group, kv_heads, dim).transpose(1, 2).reshape(batch, heads, dim)
+
+
 def check_supported(config) -> None:
     problem = None
     if config.model_type not in SUPPORTED_MODEL_TYPES:
@@ -227,7 +255,7 @@ class ModelRunner:
         self.packed: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
         self._pack_weights()
         self.attention = decode_attention_kernel(attention, self.device, cache.keys.dtype)
-        # Flash attention's view of the batch: row i's `group` queries (`_flash_decode`) start at i x group, its
+        # Flash attention's view of the batch: row i's `group` queries (`flash_decode`) start at i x group, its
         # keys at slot i's first position.
         slots = torch.arange(cache.num_slots + 1, dtype=torch.int32, device=self.device)
         self.query_starts = slots * (self.num_heads // self.num_kv_heads)
@@ -346,7 +374,8 @@ class ModelRunner:
             if self.attention == "triton":
                 attention = decode_attention(q, keys, values, used, context)
             elif self.attention == "flash":
-                attention = self._flash_decode(q, keys, values, batch, context, used)
+                starts = self.query_starts[: batch + 1], self.key_starts[: batch + 1]
+                attention = flash_decode(q, keys, values, used, context, *starts)
             else:
                 attention = self._masked_decode(q, keys, values, batch, context, mask)
             delta = self._layer_linear(attention.reshape(batch, -1), layer.self_attn.o_proj)
@@ -355,30 +384,6 @@ class ModelRunner:
             delta = self._layer_linear(activation, layer.mlp.down_proj)
             x, h = self.ops.add_norm(x, delta, next_norms[index].weight, next_norms[index].variance_epsilon)
         return self._layer_linear(h, self.model.get_output_embeddings())
-
-    def _flash_decode(self, q, keys, values, batch: int, context: int, used: torch.Tensor) -> torch.Tensor:
-        """Flash attention reads the cache as [slots x max_len, kv heads, dim] with slot i's keys starting at
-        i x max_len, of which it uses `used[i]`. The `group` query heads that share a KV head go in as that
-        head's `group` queries (not causal: all see the same keys), so each KV head's keys are read once per
-        row, not once per query head. `context` (at least the longest used length) only sizes its work."""
-        group = self.num_heads // self.num_kv_heads
-        flat = (self.cache.num_slots * self.cache.max_len, self.num_kv_heads, self.head_dim)
-        # [batch, heads, dim] -> [batch x group, kv heads, dim]: query head kv x group + g is row g of KV head kv.
-        queries = q.reshape(batch, self.num_kv_heads, group, self.head_dim).transpose(1, 2)
-        attention = FLASH_DECODE(
-            queries.reshape(batch * group, self.num_kv_heads, self.head_dim),
-            keys.view(flat),
-            values.view(flat),
-            self.query_starts[: batch + 1],
-            self.key_starts[: batch + 1],
-            group,
-            context,
-            0.0,
-            False,
-            False,
-            seqused_k=used,
-        )[0]
-        return attention.view(batch, group, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
     def _masked_decode(self, q, keys, values, batch: int, context: int, mask: torch.Tensor) -> torch.Tensor:
         """Grouped-query attention without repeating keys: the `group` query heads that share a KV head are
