@@ -68,7 +68,7 @@ def overlaps(orchestrator: dict[int, dict], trainer: dict[int, dict]) -> list[in
 
 
 def test_async_rl_learns_keeps_the_bound_and_overlaps(warm_model, tmp_path):
-    steps = 100
+    steps = 200
     result = run_rl(warm_model, tmp_path / "run", "--max-steps", str(steps), "--orchestrator.max-async-level", "1")
     assert result.returncode == 0, result.stdout + result.stderr
     orchestrator, trainer = by_source(tmp_path / "run", "orchestrator"), by_source(tmp_path / "run", "trainer")
@@ -77,8 +77,10 @@ def test_async_rl_learns_keeps_the_bound_and_overlaps(warm_model, tmp_path):
     # Whether SFT stopped before its drop (where RL does not take off) is checked first, so that such a
     # failure says what it is. Asynchronous runs differ from each other (which policy version made which
     # batch depends on timing): at steps 51-60 three runs from this SFT model read 0.862, 0.866 and 0.779
-    # (0.752 at steps 1-10), so the test looks at steps 81-100: reward 0.884 and 0.872, exact matches 0.34
-    # and 0.37 (from 0.21) in two 250-step runs.
+    # (0.752 at steps 1-10). Exact matches vary most: a step's share (64 rollouts) ranges over 0-0.7, and
+    # one 100-step run rose only 0.17 -> 0.23 (steps 1-10 -> 81-100) where others rose 0.21 -> 0.34, so the
+    # test runs 200 steps and compares steps 1-10 with 181-200 (one run: reward 0.735 -> 0.913, exact
+    # matches 0.173 -> 0.414).
     rewards = [orchestrator[n]["reward/mean"] for n in range(1, steps + 1)]
     exact = [orchestrator[n]["reward/reverse_text/exact_match"] for n in range(1, steps + 1)]
     assert statistics.fmean(rewards[:10]) > 0.6, f"the SFT model is still before its drop: {rewards[:10]}"
