@@ -175,3 +175,18 @@ def test_flash_decoding_packs_grouped_query_heads_as_their_kv_heads_queries(monk
     masked = runner.decode(tokens, positions).clone()
     runner.attention = "flash"
     assert torch.allclose(runner.decode(tokens, positions), masked, atol=1e-5)
+
+
+def test_a_decoding_step_that_cannot_compile_stops_the_start_with_the_way_out(model):
+    """As on a GPU whose toolchain cannot build the compiled kernels: `warm_up` (run when the engine starts)
+    names the settings that serve without them."""
+    runner = runner_for(model)
+
+    def fails_to_compile(*_):
+        raise RuntimeError("backend compiler failed\n(a long inductor traceback)")
+
+    runner.compiled = True
+    runner.ops = runner.ops._replace(add_norm=fails_to_compile)
+    with pytest.raises(AsyncRLError, match=r"could not be compiled .*RuntimeError: backend compiler failed\); "
+                       r"serve without compiling: inference.compile = false"):  # fmt: skip
+        runner.warm_up()

@@ -248,8 +248,8 @@ class InferenceConfig(Config):
     cuda_graphs: bool = Field(True, description="replay decoding steps as CUDA graphs (GPU only)")
     compile: bool = Field(
         True,
-        description="fuse each decoding step's elementwise work with torch.compile (GPU only; compiles "
-        "on the first requests)",
+        description="fuse each decoding step's elementwise work with torch.compile (GPU only; compiled when "
+        "the server starts, and once more for the first batch of several samples)",
     )
     decode_attention: Literal["auto", "triton", "flash", "sdpa"] = Field(
         "auto",

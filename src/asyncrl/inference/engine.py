@@ -118,6 +118,7 @@ class Engine:
         self.runner = ModelRunner(
             self.model, self.cache, cfg.cuda_graphs, compile=compile_decoding, attention=cfg.decode_attention
         )
+        self.runner.warm_up()
         self.scheduler = Scheduler(self.cache.num_slots, MAX_PREFILL_TOKENS)
         self.policy_version = 0
         self.generated_tokens = 0

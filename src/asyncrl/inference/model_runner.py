@@ -248,6 +248,7 @@ class ModelRunner:
         # The decoding step reads its inputs from these buffers, so a captured graph sees each step's values.
         self.tokens = torch.zeros(cache.num_slots, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(cache.num_slots, dtype=torch.long, device=self.device)
+        self.compiled = compile
         self.ops = DecodeOps.compiled() if compile else DecodeOps()
         self.graphs = DecodeGraphs(self._decode_step) if cuda_graphs and self.device.type == "cuda" else None
         # CPU, float32: the larger linear weights reordered for oneDNN (a second copy), refreshed on updates.
@@ -260,6 +261,24 @@ class ModelRunner:
         slots = torch.arange(cache.num_slots + 1, dtype=torch.int32, device=self.device)
         self.query_starts = slots * (self.num_heads // self.num_kv_heads)
         self.key_starts = slots * cache.max_len
+
+    def warm_up(self) -> None:
+        """Run one decoding step of one row now, where it compiles something (torch.compile, the Triton
+        kernel): the compiling happens at start, and a toolchain that cannot compile stops the server with
+        the way out, instead of failing every request. It decodes token 0 at position 0 of slot 0, which the
+        first prefill overwrites."""
+        if not self.compiled and self.attention != "triton":
+            return
+        try:
+            with torch.inference_mode():
+                self._decode_step(1, 1)
+        except Exception as error:
+            lines = str(error).strip().splitlines()
+            raise AsyncRLError(
+                f"the decoding step could not be compiled for this GPU ({type(error).__name__}: "
+                f"{lines[0] if lines else 'no message'}); serve without compiling: inference.compile = false "
+                "and inference.decode_attention = 'flash'"
+            ) from error
 
     def weights_loaded(self) -> None:
         """Refresh what is derived from the weights after new ones were copied into the parameters; in place,
