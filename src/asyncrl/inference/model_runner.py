@@ -249,6 +249,10 @@ class ModelRunner:
         self.tokens = torch.zeros(cache.num_slots, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(cache.num_slots, dtype=torch.long, device=self.device)
         self.compiled = compile
+        # Per layer, the norms that follow its two residual additions in decoding: its own post-attention norm,
+        # then the next layer's input norm (the final norm after the last layer).
+        following = [layer.input_layernorm for layer in self.layers[1:]] + [model.model.norm]
+        self.residual_norms = [(layer.post_attention_layernorm, after) for layer, after in zip(self.layers, following)]
         self.ops = DecodeOps.compiled() if compile else DecodeOps()
         self.graphs = DecodeGraphs(self._decode_step) if cuda_graphs and self.device.type == "cuda" else None
         # CPU, float32: the larger linear weights reordered for oneDNN (a second copy), refreshed on updates.
@@ -381,9 +385,6 @@ class ModelRunner:
             mask.masked_fill_(hidden[:, None, None], float("-inf"))
         x = F.embedding(tokens, self.model.get_input_embeddings().weight)
         h = rms_norm(x, self.layers[0].input_layernorm)
-        # Each residual addition goes with the norm that follows it (the next layer's, or the final one).
-        norms = [layer.post_attention_layernorm for layer in self.layers]
-        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.model.model.norm]
         for index, layer in enumerate(self.layers):
             qkv = self._linear(h, *self.qkv[index])
             q, k, v = self.ops.split_heads(qkv, *self._qk_norm(index), cos, sin, self.num_heads, self.head_dim)
@@ -398,10 +399,11 @@ class ModelRunner:
             else:
                 attention = self._masked_decode(q, keys, values, batch, context, mask)
             delta = self._layer_linear(attention.reshape(batch, -1), layer.self_attn.o_proj)
-            x, h = self.ops.add_norm(x, delta, norms[index].weight, norms[index].variance_epsilon)
+            middle_norm, next_norm = self.residual_norms[index]
+            x, h = self.ops.add_norm(x, delta, middle_norm.weight, middle_norm.variance_epsilon)
             activation = self.ops.swiglu(self._linear(h, *self.gate_up[index]))
             delta = self._layer_linear(activation, layer.mlp.down_proj)
-            x, h = self.ops.add_norm(x, delta, next_norms[index].weight, next_norms[index].variance_epsilon)
+            x, h = self.ops.add_norm(x, delta, next_norm.weight, next_norm.variance_epsilon)
         return self._layer_linear(h, self.model.get_output_embeddings())
 
     def _masked_decode(self, q, keys, values, batch: int, context: int, mask: torch.Tensor) -> torch.Tensor:
