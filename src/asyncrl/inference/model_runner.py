@@ -16,7 +16,9 @@ Face forward.
   place. On a GPU in half precision a kernel reads each slot up to its own length, so no row reads keys
   past its end: our Triton split-KV kernel (`decode_attention.py`) or torch's flash attention
   (`seqused_k`); elsewhere scaled-dot-product attention up to the longest context of the batch, with each
-  row's length as the mask. On a GPU the step is replayed from a CUDA graph (`cuda_graphs.py`).
+  row's length as the mask. With the Triton kernel, one more (`decode_heads.py`) takes each layer from the
+  q/k/v projection to attention: q/k norms, rotary at each row's position, k and v written into the cache.
+  On a GPU the step is replayed from a CUDA graph (`cuda_graphs.py`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from asyncrl.errors import AsyncRLError
 from asyncrl.inference.cuda_graphs import DecodeGraphs, bucket
 from asyncrl.inference.decode_attention import AVAILABLE as TRITON_DECODE
 from asyncrl.inference.decode_attention import decode_attention
+from asyncrl.inference.decode_heads import decode_heads
 from asyncrl.inference.kv_cache import KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
@@ -374,8 +377,9 @@ class ModelRunner:
 
     def _decode_step(self, batch: int, context: int) -> torch.Tensor:
         tokens, positions = self.tokens[:batch], self.positions[:batch]
-        rows = torch.arange(batch, device=self.device)
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        if self.attention != "triton":  # the triton path's `decode_heads` gathers and writes by position itself
+            rows = torch.arange(batch, device=self.device)
+            cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         if self.attention != "sdpa":
             used = (positions + 1).to(torch.int32)  # row i attends to positions 0..positions[i] of its slot
         else:
@@ -387,17 +391,21 @@ class ModelRunner:
         h = rms_norm(x, self.layers[0].input_layernorm)
         for index, layer in enumerate(self.layers):
             qkv = self._linear(h, *self.qkv[index])
-            q, k, v = self.ops.split_heads(qkv, *self._qk_norm(index), cos, sin, self.num_heads, self.head_dim)
             keys, values = self.cache.keys[index], self.cache.values[index]
-            keys[rows, positions] = k
-            values[rows, positions] = v
             if self.attention == "triton":
+                # One kernel: q/k norms, rotary at each row's position, k and v written into the cache.
+                norm = self._qk_norm(index)
+                q = decode_heads(qkv, *norm, self.cos, self.sin, positions, keys, values, self.num_heads)
                 attention = decode_attention(q, keys, values, used, context)
-            elif self.attention == "flash":
-                starts = self.query_starts[: batch + 1], self.key_starts[: batch + 1]
-                attention = flash_decode(q, keys, values, used, context, *starts)
             else:
-                attention = self._masked_decode(q, keys, values, batch, context, mask)
+                q, k, v = self.ops.split_heads(qkv, *self._qk_norm(index), cos, sin, self.num_heads, self.head_dim)
+                keys[rows, positions] = k
+                values[rows, positions] = v
+                if self.attention == "flash":
+                    starts = self.query_starts[: batch + 1], self.key_starts[: batch + 1]
+                    attention = flash_decode(q, keys, values, used, context, *starts)
+                else:
+                    attention = self._masked_decode(q, keys, values, batch, context, mask)
             delta = self._layer_linear(attention.reshape(batch, -1), layer.self_attn.o_proj)
             middle_norm, next_norm = self.residual_norms[index]
             x, h = self.ops.add_norm(x, delta, middle_norm.weight, middle_norm.variance_epsilon)
