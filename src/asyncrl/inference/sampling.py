@@ -13,6 +13,10 @@ only on its own seed, never on what else shares the batch. The inversion runs in
 (`inverse_cdf`): first over blocks of the vocabulary, then within the one block the draw falls in, so the
 float64 cumulative sums cover blocks, not the whole [batch x vocab] (on an H200, at 128 x 151,936, one
 float64 scan over everything took 0.3 ms of a 5.9 ms decoding step).
+
+On a GPU, a batch whose rows ask for nothing but a temperature (no filtering, no top logprobs) samples in
+two Triton kernels instead (`sampling_kernel.py`): the same draw from the same uniform, at one read of the
+logits.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from asyncrl.inference import sampling_kernel
 
 
 class SamplingParams(Protocol):
@@ -71,6 +77,7 @@ class SampledTokens:
     logprobs: torch.Tensor  # [B] float32
     top_ids: torch.Tensor  # [B, K] long, K = the largest top_logprobs asked for in the batch (may be 0)
     top_logprobs: torch.Tensor  # [B, K] float32
+    table: torch.Tensor | None = None  # [B, 2 + 2K] float64, the four columns side by side, where made at once
 
     def to_host(self) -> HostCopy:
         return HostCopy(self)
@@ -84,8 +91,10 @@ class HostCopy:
 
     def __init__(self, sampled: SampledTokens):
         self.top = sampled.top_ids.shape[1]
-        columns = (sampled.token_ids[:, None], sampled.logprobs[:, None], sampled.top_ids, sampled.top_logprobs)
-        table = torch.cat([column.double() for column in columns], dim=1)
+        table = sampled.table
+        if table is None:
+            columns = (sampled.token_ids[:, None], sampled.logprobs[:, None], sampled.top_ids, sampled.top_logprobs)
+            table = torch.cat([column.double() for column in columns], dim=1)
         self.ready = None
         if table.device.type == "cuda":
             self.table = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
@@ -106,6 +115,8 @@ class HostCopy:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, uniforms: torch.Tensor) -> SampledTokens:
     """`logits` [B, V]; `uniforms` [B] float64 in [0, 1), one fresh draw per row from the row's generator."""
+    if logits.is_cuda and sampling_kernel.AVAILABLE and not batch.any_filtered and batch.num_top == 0:
+        return sample_fused(logits, batch, uniforms)
     # bfloat16 logits divided by float32 temperatures give float32, in one kernel.
     logprobs = torch.log_softmax(logits / batch.temperature[:, None], dim=-1)
     candidates = filter_logprobs(logprobs, batch.top_k, batch.top_p, batch.min_p) if batch.any_filtered else logprobs
@@ -115,6 +126,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, uniforms: torch.Tensor) -
     chosen = logprobs.gather(-1, token_ids[:, None])[:, 0]
     top_logprobs, top_ids = logprobs.topk(batch.num_top, dim=-1)
     return SampledTokens(token_ids, chosen, top_ids, top_logprobs)
+
+
+def sample_fused(logits: torch.Tensor, batch: SamplingBatch, uniforms: torch.Tensor) -> SampledTokens:
+    """`sample` in two Triton kernels (`sampling_kernel.py`), for batches without filtering or top logprobs."""
+    token_ids, table = sampling_kernel.sample_rows(
+        logits, batch.temperature, batch.greedy, uniforms.to(logits.device, non_blocking=True)
+    )
+    empty = table[:, 2:]
+    return SampledTokens(token_ids, table[:, 1], empty.long(), empty.float(), table)
 
 
 BLOCK = 1024  # vocabulary entries per block of the two-level inverse CDF
