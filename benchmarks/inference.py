@@ -51,7 +51,7 @@ class Preset:
 PRESETS = {
     "tiny": Preset("tiny", "cpu", "float32", 64, 16, 64, repeats=3, hf_repeats=3, threads=1),
     "30m": Preset("30m", "cpu", "float32", 64, 32, 64, repeats=3, hf_repeats=3, threads=1),
-    "qwen3-0.6b": Preset("qwen3-0.6b", "cuda", "bfloat16", 128, 128, 256, repeats=3, hf_repeats=1),
+    "qwen3-0.6b": Preset("qwen3-0.6b", "cuda", "bfloat16", 128, 128, 256, repeats=3, hf_repeats=3),
 }
 
 

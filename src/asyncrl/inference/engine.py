@@ -38,9 +38,10 @@ import torch
 
 from asyncrl.config.schema import InferenceConfig
 from asyncrl.errors import AsyncRLError
+from asyncrl.inference import sampling_kernel
 from asyncrl.inference.kv_cache import GIB, KVCache, bytes_per_token, slots_for_budget
 from asyncrl.inference.model_runner import ModelRunner, check_supported
-from asyncrl.inference.sampling import HostCopy, SampledTokens, SamplingBatch, sample
+from asyncrl.inference.sampling import HostCopy, SampledTokens, SamplingBatch, sample, sample_fused
 from asyncrl.inference.scheduler import Scheduler
 from asyncrl.inference.sequence import Completion, GenerationRequest, PendingRequest, Sequence, TokenCallback
 from asyncrl.loading import load_model, load_tokenizer, resolve_device
@@ -119,6 +120,9 @@ class Engine:
             self.model, self.cache, cfg.cuda_graphs, compile=compile_decoding, attention=cfg.decode_attention
         )
         self.runner.warm_up()
+        self.sampling_kernels = (
+            self.device.type == "cuda" and sampling_kernel.AVAILABLE and self._sampling_kernels_work()
+        )
         self.scheduler = Scheduler(self.cache.num_slots, MAX_PREFILL_TOKENS)
         self.policy_version = 0
         self.generated_tokens = 0
@@ -135,6 +139,22 @@ class Engine:
         self._wakeup = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="asyncrl-decode", daemon=True)
         self._thread.start()
+
+    def _sampling_kernels_work(self) -> bool:
+        """Compile the Triton sampler now (one row), so that the first request does not wait for it; where
+        the toolchain cannot build it, sample in torch instead (slower, the same draws)."""
+        logits = torch.zeros(1, self.vocab_size, dtype=self.cache.keys.dtype, device=self.device)
+        params = SamplingBatch.of([GenerationRequest([0])], self.device)
+        uniforms = torch.zeros(1, dtype=torch.float64, device=self.device)
+        try:
+            with torch.inference_mode():
+                sample_fused(logits, params, uniforms).to_host().read()
+        except Exception as error:  # noqa: BLE001 - any failure to build means: use torch's sampler
+            log.warning(
+                "the Triton sampler could not be built (%s: %s); sampling in torch", type(error).__name__, error
+            )
+            return False
+        return True
 
     def _allocate_cache(self) -> KVCache:
         config = self.model.config
@@ -378,7 +398,7 @@ class Engine:
         uniforms = torch.tensor([sequence.rng.random() for sequence in sequences], dtype=torch.float64)
         if self.device.type == "cuda":
             uniforms = uniforms.pin_memory()  # so that the copy does not wait for the device
-        sampled = sample(logits, params, uniforms.to(self.device, non_blocking=True))
+        sampled = sample(logits, params, uniforms.to(self.device, non_blocking=True), self.sampling_kernels)
         return InflightStep(sequences, self.scheduler.version, context, sampled, sampled.to_host())
 
     def _finish(self, step: InflightStep) -> None:

@@ -270,15 +270,22 @@ class ModelRunner:
         self.key_starts = slots * cache.max_len
 
     def warm_up(self) -> None:
-        """Run one decoding step of one row now, where it compiles something (torch.compile, the Triton
-        kernel): the compiling happens at start, and a toolchain that cannot compile stops the server with
-        the way out, instead of failing every request. It decodes token 0 at position 0 of slot 0, which the
-        first prefill overwrites."""
+        """Compile and capture now what the first requests would otherwise wait for: the compiled functions
+        and the Triton kernels (one decoding step of one row), and, for the Triton kernel's graphs (one per
+        batch size, `_graph_context`), every graph. A toolchain that cannot compile then stops the server
+        with the way out, instead of failing every request. The steps decode token 0 at position 0 of free
+        slots, which prefills overwrite."""
         if not self.compiled and self.attention != "triton":
             return
         try:
             with torch.inference_mode():
                 self._decode_step(1, 1)
+                if self.graphs is not None and self.attention == "triton":
+                    sizes = sorted(
+                        {bucket(count, self.cache.num_slots) for count in range(1, self.cache.num_slots + 1)}
+                    )
+                    for batch in sizes:
+                        self.graphs.run(batch, self.cache.max_len)
         except Exception as error:
             lines = str(error).strip().splitlines()
             raise AsyncRLError(
@@ -326,25 +333,38 @@ class ModelRunner:
 
     def prefill(self, prompts: list[list[int]], rows: list[int], first_slot: int) -> torch.Tensor:
         """Run `prompts` and store their keys and values: slot `first_slot + j` gets prompt `rows[j]`.
-        Returns the logits after each prompt's last token, [len(prompts), vocab]."""
+        Returns the logits after each prompt's last token, [len(prompts), vocab].
+
+        The prompts' tokens go through the layers as one [prompts x width] batch of rows, as decoding's
+        rows do, so the same (compiled) elementwise functions serve both; only attention sees the prompts."""
         lengths = [len(prompt) for prompt in prompts]
-        width = max(lengths)
+        count, width = len(prompts), max(lengths)
         input_ids = torch.tensor([prompt + [0] * (width - len(prompt)) for prompt in prompts]).to(self.device)
         slots = slice(first_slot, first_slot + len(rows))
-        gather = None if rows == list(range(len(prompts))) else torch.tensor(rows, device=self.device)
-        cos, sin = self.cos[:width, None], self.sin[:width, None]
-        x = F.embedding(input_ids, self.model.get_input_embeddings().weight)
+        gather = None if rows == list(range(count)) else torch.tensor(rows, device=self.device)
+        positions = torch.arange(width, device=self.device).repeat(count)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        x = F.embedding(input_ids.flatten(), self.model.get_input_embeddings().weight)  # [count x width, hidden]
+        h = rms_norm(x, self.layers[0].input_layernorm)
         for index, layer in enumerate(self.layers):
-            # [rows, width, heads, dim]
-            q, k, v = self._project_qkv(index, rms_norm(x, layer.input_layernorm), cos, sin)
+            qkv = self._linear(h, *self.qkv[index])
+            q, k, v = (  # [count, width, heads, dim]
+                t.unflatten(0, (count, width))
+                for t in self.ops.split_heads(qkv, *self._qk_norm(index), cos, sin, self.num_heads, self.head_dim)
+            )
             self.cache.keys[index, slots, :width] = k if gather is None else k[gather]
             self.cache.values[index, slots, :width] = v if gather is None else v[gather]
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [rows, heads, width, dim]
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [count, heads, width, dim]
             attention = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            x = x + self._layer_linear(attention.transpose(1, 2).flatten(2), layer.self_attn.o_proj)
-            x = x + self._mlp(index, rms_norm(x, layer.post_attention_layernorm))
-        last = x[torch.arange(len(prompts), device=self.device), torch.tensor(lengths, device=self.device) - 1]
-        return self._layer_linear(rms_norm(last, self.model.model.norm), self.model.get_output_embeddings())
+            delta = self._layer_linear(attention.transpose(1, 2).flatten(0, 1).flatten(1), layer.self_attn.o_proj)
+            middle_norm, next_norm = self.residual_norms[index]
+            x, h = self.ops.add_norm(x, delta, middle_norm.weight, middle_norm.variance_epsilon)
+            activation = self.ops.swiglu(self._linear(h, *self.gate_up[index]))
+            delta = self._layer_linear(activation, layer.mlp.down_proj)
+            x, h = self.ops.add_norm(x, delta, next_norm.weight, next_norm.variance_epsilon)
+        # h is the final norm's output; each prompt's last real token gives its logits.
+        last = torch.tensor([row * width + length - 1 for row, length in enumerate(lengths)], device=self.device)
+        return self._layer_linear(h[last], self.model.get_output_embeddings())
 
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """Feed token i at position i of slot i, for the running slots [0, len(tokens)); returns the logits
@@ -372,8 +392,15 @@ class ModelRunner:
 
     def _run_step(self, count: int, batch: int, context: int) -> torch.Tensor:
         if self.graphs is not None:
-            return self.graphs.run(batch, bucket(context, self.cache.max_len))[:count]
+            return self.graphs.run(batch, self._graph_context(context))[:count]
         return self._decode_step(batch, context)
+
+    def _graph_context(self, context: int) -> int:
+        """The context a CUDA graph is captured for. The Triton kernel reads each row up to its own length
+        whatever the bound, so its graphs take the cache's whole length and one graph per batch size serves
+        every context (`warm_up` captures them all); the other kernels size their work by the bound, so
+        their graphs go by context buckets, captured on first use."""
+        return self.cache.max_len if self.attention == "triton" else bucket(context, self.cache.max_len)
 
     def _decode_step(self, batch: int, context: int) -> torch.Tensor:
         tokens, positions = self.tokens[:batch], self.positions[:batch]

@@ -113,9 +113,10 @@ class HostCopy:
         return [int(row[0]) for row in rows], [row[1] for row in rows], top_ids, [row[2 + self.top :] for row in rows]
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, uniforms: torch.Tensor) -> SampledTokens:
-    """`logits` [B, V]; `uniforms` [B] float64 in [0, 1), one fresh draw per row from the row's generator."""
-    if logits.is_cuda and sampling_kernel.AVAILABLE and not batch.any_filtered and batch.num_top == 0:
+def sample(logits: torch.Tensor, batch: SamplingBatch, uniforms: torch.Tensor, kernels: bool = False) -> SampledTokens:
+    """`logits` [B, V]; `uniforms` [B] float64 in [0, 1), one fresh draw per row from the row's generator.
+    `kernels`: sample with the Triton kernels (`sample_fused`) where the batch allows it."""
+    if kernels and not batch.any_filtered and batch.num_top == 0:
         return sample_fused(logits, batch, uniforms)
     # bfloat16 logits divided by float32 temperatures give float32, in one kernel.
     logprobs = torch.log_softmax(logits / batch.temperature[:, None], dim=-1)
