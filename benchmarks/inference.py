@@ -44,7 +44,7 @@ class Preset:
     prompt_len: int
     new_tokens: int
     repeats: int
-    hf_repeats: int  # Hugging Face on a GPU is slow; its figure moves little between runs
+    hf_repeats: int  # timed runs of Hugging Face `generate`
     threads: int = 0
 
 
