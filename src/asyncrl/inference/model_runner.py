@@ -271,15 +271,20 @@ class ModelRunner:
 
     def warm_up(self) -> None:
         """Compile and capture now what the first requests would otherwise wait for: the compiled functions
-        and the Triton kernels (one decoding step of one row), and, for the Triton kernel's graphs (one per
-        batch size, `_graph_context`), every graph. A toolchain that cannot compile then stops the server
-        with the way out, instead of failing every request. The steps decode token 0 at position 0 of free
-        slots, which prefills overwrite."""
+        and the Triton kernels (one decoding step of one row, a few tiny prefills), and, for the Triton
+        kernel's graphs (one per batch size, `_graph_context`), every graph. A toolchain that cannot compile
+        then stops the server with the way out, instead of failing every request. All this writes keys and
+        values of token 0 into the first free slots, which prefills overwrite."""
         if not self.compiled and self.attention != "triton":
             return
         try:
             with torch.inference_mode():
                 self._decode_step(1, 1)
+                # Prefills of 1 and of 2 and 6 token rows: torch.compile specializes a single row, then makes
+                # the row count dynamic on the second size, so no later prefill compiles again.
+                for prompts in ([[0]], [[0, 0]], [[0, 0], [0, 0, 0]]):
+                    if len(prompts) <= self.cache.num_slots and len(prompts[-1]) <= self.cache.max_len:
+                        self.prefill(prompts, list(range(len(prompts))), 0)
                 if self.graphs is not None and self.attention == "triton":
                     sizes = sorted(
                         {bucket(count, self.cache.num_slots) for count in range(1, self.cache.num_slots + 1)}
