@@ -249,7 +249,7 @@ class InferenceConfig(Config):
     compile: bool = Field(
         True,
         description="fuse each decoding step's elementwise work with torch.compile (GPU only; compiled when "
-        "the server starts, and once more for the first batch of several samples)",
+        "the server starts, for every batch size)",
     )
     decode_attention: Literal["auto", "triton", "flash", "sdpa"] = Field(
         "auto",

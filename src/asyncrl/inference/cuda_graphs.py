@@ -1,11 +1,12 @@
-"""Decoding steps captured as CUDA graphs: one graph per (batch, context) bucket, replayed every step.
+"""Decoding steps captured as CUDA graphs: one graph per (batch, context) key, replayed every step.
 
 A decoding step of a small model is hundreds of tiny kernels; launched one by one from Python, the GPU
-mostly waits for the CPU. A graph launches them all at once. A graph has fixed shapes, so the batch and
-the attended context are rounded up to a few bucket sizes (`bucket`), which bounds both the number of
-graphs and the padding (at most a quarter). Graphs are captured the first time their bucket is used and
-share one memory pool: they never run at the same time.
-"""
+mostly waits for the CPU. A graph launches them all at once. A graph has fixed shapes, so the batch is
+rounded up to a few bucket sizes (`bucket`), which bounds both the number of graphs and the padding (at
+most a quarter); the model runner chooses the context a graph is captured for (`_graph_context`: the whole
+cache length for the Triton kernel, a bucket of the attended context otherwise). Graphs are captured the
+first time their key is used, or ahead of time by running it, and share one memory pool: they never run
+at the same time."""
 
 from __future__ import annotations
 

@@ -12,13 +12,15 @@ Face forward.
 
 - Prefill: the distinct prompts, right-padded to the longest, through causal attention (padding sits after
   every real token, so no mask is needed); keys and values go to the samples' slots, one row per sample.
+  Outside attention each prompt token is one row, as in decoding, so both share the (compiled) functions.
 - Decode: one token per running sample; slot i of the KV cache is batch row i. Attention reads the slots in
   place. On a GPU in half precision a kernel reads each slot up to its own length, so no row reads keys
   past its end: our Triton split-KV kernel (`decode_attention.py`) or torch's flash attention
   (`seqused_k`); elsewhere scaled-dot-product attention up to the longest context of the batch, with each
   row's length as the mask. With the Triton kernel, one more (`decode_heads.py`) takes each layer from the
   q/k/v projection to attention: q/k norms, rotary at each row's position, k and v written into the cache.
-  On a GPU the step is replayed from a CUDA graph (`cuda_graphs.py`).
+  On a GPU the step is replayed from a CUDA graph (`cuda_graphs.py`): one per batch bucket with the Triton
+  kernel, all captured at start (`warm_up`); one per (batch, context) bucket otherwise.
 """
 
 from __future__ import annotations
