@@ -309,3 +309,23 @@ def test_weights_of_another_shape_are_refused(engine, tmp_path):
     with pytest.raises(WeightsError, match="do not fit"):
         engine.update_weights(folder, 1).result(TIMEOUT)
     assert run(engine, max_tokens=6, temperature=0.0)[0].token_ids == before[0].token_ids
+
+
+def test_a_sampler_that_cannot_be_built_falls_back_to_torch(model_dir, monkeypatch, caplog):
+    """As on a GPU whose toolchain cannot build the Triton sampler: the check at start says so in one
+    warning, and the engine samples in torch instead of failing requests."""
+    import asyncrl.inference.engine as engine_module
+
+    def fails_to_build(*_):
+        raise RuntimeError("PTX compile failed\n(a long traceback)")
+
+    engine = Engine(config(model_dir))
+    try:
+        monkeypatch.setattr(engine_module, "sample_fused", fails_to_build)
+        with caplog.at_level("WARNING"):
+            assert not engine._sampling_kernels_work()
+        assert "Triton sampler could not be built (RuntimeError: PTX compile failed" in caplog.text
+        assert engine.sampling_kernels is False  # a CPU never uses them
+        assert len(run(engine, max_tokens=3)[0].token_ids) == 3
+    finally:
+        engine.stop()
