@@ -150,8 +150,9 @@ class Engine:
             with torch.inference_mode():
                 sample_fused(logits, params, uniforms).to_host().read()
         except Exception as error:  # noqa: BLE001 - any failure to build means: use torch's sampler
+            first_line = (str(error).strip().splitlines() or ["no message"])[0]
             log.warning(
-                "the Triton sampler could not be built (%s: %s); sampling in torch", type(error).__name__, error
+                "the Triton sampler could not be built (%s: %s); sampling in torch", type(error).__name__, first_line
             )
             return False
         return True
