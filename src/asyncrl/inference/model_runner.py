@@ -469,14 +469,3 @@ class ModelRunner:
         if not self.qk_norm:
             return None, 0.0
         return self.qk_scales[index], self.layers[index].self_attn.q_norm.variance_epsilon
-
-    def _project_qkv(
-        self, index: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, keys, values of layer `index` as [..., heads, head_dim], q/k norms and rotary applied."""
-        qkv = self._linear(h, *self.qkv[index])
-        return split_heads(qkv, *self._qk_norm(index), cos, sin, self.num_heads, self.head_dim)
-
-    def _mlp(self, index: int, h: torch.Tensor) -> torch.Tensor:
-        activation = swiglu(self._linear(h, *self.gate_up[index]))
-        return self._layer_linear(activation, self.layers[index].mlp.down_proj)

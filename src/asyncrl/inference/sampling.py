@@ -74,7 +74,7 @@ class SamplingBatch:
 @dataclass
 class SampledTokens:
     token_ids: torch.Tensor  # [B] long
-    logprobs: torch.Tensor  # [B] float32
+    logprobs: torch.Tensor  # [B] float32 (float64 from the Triton kernels)
     top_ids: torch.Tensor  # [B, K] long, K = the largest top_logprobs asked for in the batch (may be 0)
     top_logprobs: torch.Tensor  # [B, K] float32
     table: torch.Tensor | None = None  # [B, 2 + 2K] float64, the four columns side by side, where made at once
