@@ -8,22 +8,14 @@ stand in for it.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_device import INTERPRETED, device_or_skip
 
-from asyncrl.inference.decode_attention import AVAILABLE, decode_attention
+from asyncrl.inference.decode_attention import decode_attention
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-if not AVAILABLE:
-    pytest.skip("triton is not installed", allow_module_level=True)
-if not INTERPRETED and not torch.cuda.is_available():
-    pytest.skip("no CUDA device, and TRITON_INTERPRET=1 is not set", allow_module_level=True)
-
-DEVICE = "cpu" if INTERPRETED else "cuda"
+DEVICE = device_or_skip()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 

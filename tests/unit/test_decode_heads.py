@@ -8,22 +8,14 @@ rounding to nearest as torch and the GPU do; float16 exercises the same rounding
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_device import INTERPRETED, device_or_skip
 
-from asyncrl.inference.decode_heads import AVAILABLE, decode_heads
+from asyncrl.inference.decode_heads import decode_heads
 from asyncrl.inference.model_runner import split_heads
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-if not AVAILABLE:
-    pytest.skip("triton is not installed", allow_module_level=True)
-if not INTERPRETED and not torch.cuda.is_available():
-    pytest.skip("no CUDA device, and TRITON_INTERPRET=1 is not set", allow_module_level=True)
-
-DEVICE = "cpu" if INTERPRETED else "cuda"
+DEVICE = device_or_skip()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 EPS = 1e-6
 

@@ -6,32 +6,20 @@ skipped without triton or without either.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import pytest
 import torch
+from triton_device import device_or_skip
 
 from asyncrl.inference.sampling import SamplingBatch, sample, sample_fused
-from asyncrl.inference.sampling_kernel import AVAILABLE, BLOCK
+from asyncrl.inference.sampling_kernel import BLOCK
+from asyncrl.inference.sequence import GenerationRequest
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-if not AVAILABLE:
-    pytest.skip("triton is not installed", allow_module_level=True)
-if not INTERPRETED and not torch.cuda.is_available():
-    pytest.skip("no CUDA device, and TRITON_INTERPRET=1 is not set", allow_module_level=True)
-
-DEVICE = "cpu" if INTERPRETED else "cuda"
+DEVICE = device_or_skip()
 
 
-@dataclass
-class Params:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    top_logprobs: int = 0
+def params(temperature: float) -> GenerationRequest:
+    """Sampling parameters with only a temperature, as the engine passes its requests."""
+    return GenerationRequest([0], temperature=temperature)
 
 
 def random_logits(rows: int, vocab: int, dtype, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
@@ -47,11 +35,11 @@ def uniforms_for(rows: int, seed: int = 1) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_same_tokens_and_logprobs_as_torch(vocab, dtype):
     temperatures = [1.0, 0.7, 0, 1.3, 0.2, 1.0, 0, 2.0] * 4
-    batch = SamplingBatch.of([Params(temperature=t) for t in temperatures], DEVICE)
+    batch = SamplingBatch.of([params(temperature=t) for t in temperatures], DEVICE)
     logits = random_logits(len(temperatures), vocab, dtype)
     uniforms = uniforms_for(len(temperatures))
     fused = sample_fused(logits, batch, uniforms)
-    on_cpu = SamplingBatch.of([Params(temperature=t) for t in temperatures], "cpu")
+    on_cpu = SamplingBatch.of([params(temperature=t) for t in temperatures], "cpu")
     expected = sample(logits.cpu(), on_cpu, uniforms.cpu())
     assert fused.token_ids.tolist() == expected.token_ids.tolist()
     assert torch.allclose(fused.logprobs.float().cpu(), expected.logprobs, atol=1e-5, rtol=0)
@@ -69,7 +57,7 @@ def test_draws_follow_the_distribution():
     chosen = torch.tensor([3, BLOCK - 1, BLOCK, 2 * BLOCK + 4])  # both sides of block edges, the last token
     logits[0, chosen] = torch.tensor([0.0, 1.0, -0.5, 0.5])
     probs = torch.softmax(logits[0].double() / 0.9, dim=0)
-    batch = SamplingBatch.of([Params(temperature=0.9)] * draws, DEVICE)
+    batch = SamplingBatch.of([params(temperature=0.9)] * draws, DEVICE)
     grid = (torch.arange(draws, dtype=torch.float64) + 0.5) / draws
     sampled = sample_fused(logits.expand(draws, vocab).contiguous().to(DEVICE), batch, grid.to(DEVICE))
     counts = torch.bincount(sampled.token_ids.cpu(), minlength=vocab).double() / draws
@@ -80,7 +68,7 @@ def test_draws_follow_the_distribution():
 def test_greedy_takes_the_first_maximum():
     logits = torch.zeros(2, 2 * BLOCK)
     logits[:, [5, BLOCK + 7]] = 4.0  # a tie across blocks: the first wins, as with torch.argmax
-    batch = SamplingBatch.of([Params(temperature=0), Params(temperature=0)], DEVICE)
+    batch = SamplingBatch.of([params(temperature=0), params(temperature=0)], DEVICE)
     sampled = sample_fused(logits.to(DEVICE), batch, uniforms_for(2))
     assert sampled.token_ids.tolist() == [5, 5]
     expected = torch.log_softmax(logits[0], dim=0)[5].item()
@@ -91,7 +79,7 @@ def test_cold_temperature_and_extreme_uniforms():
     """A draw at u close to 1 never picks a token without mass (the padded tail of the last block)."""
     vocab = BLOCK + 10
     logits = random_logits(3, vocab, torch.float32, seed=4)
-    batch = SamplingBatch.of([Params(temperature=t) for t in (0.05, 1.0, 1.0)], DEVICE)
+    batch = SamplingBatch.of([params(temperature=t) for t in (0.05, 1.0, 1.0)], DEVICE)
     uniforms = torch.tensor([0.5, 1 - 1e-16, 0.0], dtype=torch.float64, device=DEVICE)
     sampled = sample_fused(logits, batch, uniforms)
     tokens = sampled.token_ids.tolist()

@@ -13,8 +13,7 @@ Here ("flash decoding"):
   device: no host sync, and a CUDA graph captured for a context bucket replays for any lengths within it.
   Splits that start past a row's length write a neutral partial (max -inf, sum 0).
 
-Triton is imported lazily: CPU-only torch has none (`AVAILABLE` says whether it is there). With
-`TRITON_INTERPRET=1` the kernels run on CPU tensors, which is how the unit tests check them without a GPU.
+Triton may be absent (`triton_import.py`; `AVAILABLE` says whether it is there).
 """
 
 from __future__ import annotations
@@ -24,13 +23,7 @@ import math
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
-AVAILABLE = triton is not None
+from asyncrl.inference.triton_import import AVAILABLE, tl, triton
 
 # Programs the grid should at least have, per multiprocessor: two, so that one waiting on memory leaves the
 # multiprocessor another to run (the rule flash attention's split heuristic also follows).

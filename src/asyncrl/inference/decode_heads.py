@@ -15,22 +15,14 @@ operation, no fused multiply-adds), so in float16/bfloat16 it matches `split_hea
 (the norm's sum and rsqrt may differ in float32's last bits). No host sync and no allocation sized by
 device values: CUDA graphs capture it.
 
-Triton is imported lazily: CPU-only torch has none (`AVAILABLE` says whether it is there). With
-`TRITON_INTERPRET=1` the kernel runs on CPU tensors, which is how the unit tests check it without a GPU.
+Triton may be absent (`triton_import.py`; `AVAILABLE` says whether it is there).
 """
 
 from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
-AVAILABLE = triton is not None
-
+from asyncrl.inference.triton_import import AVAILABLE, tl, triton
 
 if AVAILABLE:
 

@@ -18,21 +18,14 @@ request's seed gives the same tokens here as in torch, up to float rounding at t
 The kernels write the token ids for the next step's input and one float64 [batch, 2] table (token id,
 logprob) that goes to the host in one copy.
 
-Triton is imported lazily (`AVAILABLE`); with `TRITON_INTERPRET=1` the kernels run on CPU tensors, which is
-how the unit tests check them without a GPU.
+Triton may be absent (`triton_import.py`; `AVAILABLE` says whether it is there).
 """
 
 from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
-AVAILABLE = triton is not None
+from asyncrl.inference.triton_import import AVAILABLE, tl, triton
 
 BLOCK = 1024  # vocabulary entries per program of the first kernel, and per block of the draw
 
