@@ -41,42 +41,66 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def resolve(cfg: RLConfig) -> tuple[InferenceConfig, OrchestratorConfig, TrainerConfig]:
+def replica_names(count: int) -> list[str]:
+    """Config and log names of the inference servers: `inference` alone, or `inference_0`, `inference_1`, ..."""
+    return ["inference"] if count == 1 else [f"inference_{i}" for i in range(count)]
+
+
+def resolve(cfg: RLConfig) -> tuple[list[InferenceConfig], OrchestratorConfig, TrainerConfig]:
     """Per-process configs: shared keys are already copied by the loader; here the deployment decides
-    ports, devices and threads."""
+    ports, devices and threads, one inference config per replica."""
     dep = cfg.deployment
-    inference = cfg.inference.model_copy(deep=True)
     orchestrator = cfg.orchestrator.model_copy(deep=True)
     trainer = cfg.trainer.model_copy(deep=True)
-    if inference.port == 0:
-        inference.port = free_port(inference.host)
-    orchestrator.inference_url = f"http://{inference.host}:{inference.port}"
-    if inference.weight_transfer.mode == "broadcast" and inference.weight_transfer.port == 0:
-        port = free_port(inference.weight_transfer.host)  # one port for the pair: the trainer joins inference
-        for section in (inference, orchestrator, trainer):
+    devices, trainer.device = _devices(dep)
+    cores = os.cpu_count() or 1
+    inference_threads = dep.inference_threads or max(1, cores // 2)
+    replicas = []
+    for i, device in enumerate(devices):
+        replica = cfg.inference.model_copy(deep=True)
+        replica.device = device
+        replica.num_threads = max(1, inference_threads // len(devices))
+        replica.port = free_port(replica.host) if cfg.inference.port == 0 else cfg.inference.port + i
+        replicas.append(replica)
+    orchestrator.inference_urls = [f"http://{r.host}:{r.port}" for r in replicas]
+    if cfg.inference.weight_transfer.mode == "broadcast" and cfg.inference.weight_transfer.port == 0:
+        port = free_port(cfg.inference.weight_transfer.host)  # one port for the pair: the trainer joins inference
+        for section in (*replicas, orchestrator, trainer):
             section.weight_transfer.port = port
     orchestrator.num_trainer_ranks = dep.trainer_ranks
-
-    inference.device, trainer.device = _devices(dep)
-    cores = os.cpu_count() or 1
-    inference.num_threads = dep.inference_threads or max(1, cores // 2)
-    trainer.num_threads = dep.trainer_threads or max(1, (cores - inference.num_threads) // dep.trainer_ranks)
-    return inference, orchestrator, trainer
+    trainer.num_threads = dep.trainer_threads or max(1, (cores - inference_threads) // dep.trainer_ranks)
+    return replicas, orchestrator, trainer
 
 
-def _devices(dep) -> tuple[str, str]:
+def _devices(dep) -> tuple[list[str], str]:
+    """The device of each inference replica, and the trainer's. Explicit devices are kept ('cuda:N' puts
+    replica i on GPU N + i). Auto: CPUs only; one GPU shared by all; or the first GPUs for the replicas
+    and the next ones for the trainer ranks (see _trainer_env)."""
+    replicas = dep.inference_replicas
     if dep.inference_device != "auto" or dep.trainer_device != "auto":
-        return dep.inference_device, dep.trainer_device
+        device = dep.inference_device
+        if device.startswith("cuda:") and device[5:].isdigit():
+            first = int(device[5:])
+            return [f"cuda:{first + i}" for i in range(replicas)], dep.trainer_device
+        return [device] * replicas, dep.trainer_device
     import torch
 
     gpus = torch.cuda.device_count()
     if gpus == 0:
-        return "cpu", "cpu"
-    # One GPU: both share it. More: inference takes the first, the trainer the rest (see _trainer_env).
-    return "cuda:0", "cuda"
+        return ["cpu"] * replicas, "cpu"
+    if gpus == 1:
+        return ["cuda:0"] * replicas, "cuda"
+    if replicas + dep.trainer_ranks > gpus:
+        raise AsyncRLError(
+            f"deployment.inference_replicas = {replicas} and deployment.trainer_ranks = {dep.trainer_ranks} need "
+            f"{replicas + dep.trainer_ranks} GPUs, and {gpus} are visible (lower them, or set "
+            "deployment.inference_device and deployment.trainer_device to share GPUs)"
+        )
+    return [f"cuda:{i}" for i in range(replicas)], "cuda"
 
 
-def _trainer_env(dep, trainer: TrainerConfig) -> dict[str, str]:
+def _trainer_env(dep, trainer: TrainerConfig, replicas: list[InferenceConfig]) -> dict[str, str]:
+    """With several GPUs, the trainer ranks see the GPUs no inference replica took."""
     if trainer.device != "cuda":
         return {}
     import torch
@@ -84,13 +108,14 @@ def _trainer_env(dep, trainer: TrainerConfig) -> dict[str, str]:
     gpus = torch.cuda.device_count()
     if gpus < 2:
         return {}
-    ids = list(range(1, gpus))[: dep.trainer_ranks]
-    if len(ids) < dep.trainer_ranks:
+    taken = {0 if r.device == "cuda" else int(r.device[5:]) for r in replicas if r.device.startswith("cuda")}
+    free = [gpu for gpu in range(gpus) if gpu not in taken][: dep.trainer_ranks]
+    if len(free) < dep.trainer_ranks:
         raise AsyncRLError(
-            f"deployment.trainer_ranks = {dep.trainer_ranks} but only {len(ids)} GPUs are left for the "
-            "trainer after inference takes one"
+            f"deployment.trainer_ranks = {dep.trainer_ranks} but only {len(free)} GPUs are left for the "
+            f"trainer after the {len(replicas)} inference replica(s)"
         )
-    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, free))}
 
 
 def prepare_output_dir(output_dir: Path, clean: bool) -> None:
@@ -178,7 +203,7 @@ def wait_healthy(child: Child, url: str, timeout: float) -> None:
         except (httpx.HTTPError, ValueError):
             pass
         time.sleep(0.2)
-    raise AsyncRLError(f"inference server not ready after {timeout:.0f}s (see {child.log})")
+    raise AsyncRLError(f"inference server {url} not ready after {timeout:.0f}s (see {child.log})")
 
 
 class ChildFailed(Exception):
@@ -257,8 +282,11 @@ class Progress:
 
 
 def supervise(children: list[Child], progress: Progress) -> None:
-    """Wait until the trainer finishes; raise ChildFailed as soon as any child dies badly."""
+    """Wait until the trainer finishes; raise ChildFailed as soon as any child dies badly. An inference
+    replica may die while another lives: the orchestrator sends its groups elsewhere."""
     trainer = next(c for c in children if c.name == "trainer")
+    replicas = [c for c in children if c.name.startswith("inference")]
+    lost: set[str] = set()
     live = Live(progress.table(), console=console, refresh_per_second=2) if console.is_terminal else None
     if live:
         live.start()
@@ -266,8 +294,17 @@ def supervise(children: list[Child], progress: Progress) -> None:
         while True:
             for child in children:
                 code = child.process.poll()
-                if code is not None and (code != 0 or child.name == "inference"):
-                    raise ChildFailed(child)
+                if code is None or (code == 0 and not child.name.startswith("inference")):
+                    continue
+                if child in replicas and any(r.process.poll() is None for r in replicas):
+                    if child.name not in lost:
+                        lost.add(child.name)
+                        console.print(
+                            f"[yellow]{child.name} exited with code {code}[/]; the run goes on with the other "
+                            f"inference servers (log: {child.log})"
+                        )
+                    continue
+                raise ChildFailed(child)
             progress.refresh()
             if live:
                 live.update(progress.table())
@@ -301,8 +338,9 @@ def _terminate_as_interrupt(signum, frame) -> None:
 
 def run_rl(cfg: RLConfig, dry_run: bool = False, clean: bool = False) -> int:
     output_dir = Path(cfg.output_dir)
-    inference, orchestrator, trainer = resolve(cfg)
-    configs = {"inference": inference, "orchestrator": orchestrator, "trainer": trainer}
+    replicas, orchestrator, trainer = resolve(cfg)
+    names = replica_names(len(replicas))
+    configs = {**dict(zip(names, replicas)), "orchestrator": orchestrator, "trainer": trainer}
     if dry_run:
         for name, config in configs.items():
             console.print(f"# {name}", style="bold")
@@ -312,7 +350,8 @@ def run_rl(cfg: RLConfig, dry_run: bool = False, clean: bool = False) -> int:
         return 0
 
     check_model_name(cfg.model.name)
-    check_port_free(inference.host, inference.port)
+    for replica in replicas:
+        check_port_free(replica.host, replica.port)
     if cfg.resume is not None:
         step = resume_run(output_dir, cfg.resume.step, cfg.max_steps, clean)
         trainer.resume = orchestrator.resume = ResumeConfig(step=step)
@@ -335,16 +374,12 @@ def run_rl(cfg: RLConfig, dry_run: bool = False, clean: bool = False) -> int:
     python = sys.executable
     children: list[Child] = []
     try:
-        children.append(
-            start(
-                "inference",
-                [python, "-m", "asyncrl", "inference", "@", str(paths["inference"])],
-                logs / "inference.log",
-                env,
-            )
-        )
-        console.print(f"starting inference on {orchestrator.inference_url} (log: {logs / 'inference.log'})")
-        wait_healthy(children[0], orchestrator.inference_url, cfg.deployment.startup_timeout)
+        for name, url in zip(names, orchestrator.inference_urls):
+            command = [python, "-m", "asyncrl", "inference", "@", str(paths[name])]
+            children.append(start(name, command, logs / f"{name}.log", env))
+            console.print(f"starting {name} on {url} (log: {logs / f'{name}.log'})")
+        for child, url in zip(children, orchestrator.inference_urls):
+            wait_healthy(child, url, cfg.deployment.startup_timeout)
         children.append(
             start(
                 "orchestrator",
@@ -353,7 +388,11 @@ def run_rl(cfg: RLConfig, dry_run: bool = False, clean: bool = False) -> int:
                 env,
             )
         )
-        trainer_env = {**env, **_trainer_env(cfg.deployment, trainer), "ASYNCRL_RANK_LOG_DIR": str(logs / "trainer")}
+        trainer_env = {
+            **env,
+            **_trainer_env(cfg.deployment, trainer, replicas),
+            "ASYNCRL_RANK_LOG_DIR": str(logs / "trainer"),
+        }
         children.append(
             start(
                 "trainer",

@@ -19,7 +19,12 @@ from asyncrl.environments.base import Completion, Rollout
 from asyncrl.loading import load_tokenizer
 from asyncrl.models import init_model
 from asyncrl.orchestrator.client import InferenceClient, ServedPolicy
-from asyncrl.orchestrator.loop import generate_batch, load_environments, rollout_metrics, to_samples
+from asyncrl.orchestrator.batch import BatchCutter, batch_metrics
+from asyncrl.orchestrator.dispatcher import Dispatcher
+from asyncrl.orchestrator.loop import load_environments, next_batch
+from asyncrl.orchestrator.notify import Notifier
+from asyncrl.orchestrator.pool import InferencePool
+from asyncrl.orchestrator.queue import RolloutQueue
 from asyncrl.orchestrator.sampler import EnvironmentSampler
 
 pytestmark = pytest.mark.integration
@@ -150,9 +155,13 @@ def test_time_limit_truncates_but_keeps_the_rollout(server, model_dir):
 
 
 def test_a_batch_mixes_environments_by_weight_with_metrics_per_environment(server, model_dir):
+    """The orchestrator's own dispatch and batch cut, against the real server: lockstep, so batch 1 is exactly
+    the first six groups drawn."""
     cfg = OrchestratorConfig(
+        inference_urls=[server],
         batch_size=12,
         group_size=2,
+        max_async_level=0,
         seq_len=SEQ_LEN,
         sampling=SamplingConfig(max_tokens=16),
         environments={"arithmetic": {"weight": 2.0, "advantage": {"estimator": "rloo"}}, "wordle": {"args": {}}},
@@ -161,22 +170,29 @@ def test_a_batch_mixes_environments_by_weight_with_metrics_per_environment(serve
     sampler = EnvironmentSampler(environments, {k: e.weight for k, e in cfg.environments.items()}, cfg.seed)
 
     async def main():
-        client = InferenceClient(server, None, request_timeout=120)
+        notifier = Notifier()
+        pool = InferencePool(cfg.inference_urls, None, 120, 30, notifier)
+        tokenizer = load_tokenizer(str(model_dir))
+        policies = {s.index: ServedPolicy(s.client, tokenizer, cfg.sampling, cfg.seq_len) for s in pool.servers}
+        dispatcher = Dispatcher(cfg, pool, environments, sampler, lambda s: policies[s.index], RolloutQueue(), notifier)
+        task = asyncio.create_task(dispatcher.run())
         try:
-            policy = ServedPolicy(client, load_tokenizer(str(model_dir)), cfg.sampling, cfg.seq_len)
-            return await generate_batch(sampler, policy, cfg, step=1)
+            cutter = BatchCutter(cfg.batch_size, cfg.batch_tokens, cfg.max_async_level)
+            return await next_batch(1, cutter, dispatcher, [task], timeout=120)
         finally:
-            await client.close()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await pool.close()
 
-    groups = asyncio.run(main())
-    assert [label for label, _ in groups].count("arithmetic") == 4
-    assert [label for label, _ in groups].count("wordle") == 2
-    metrics = rollout_metrics(groups)
+    batch = asyncio.run(main())
+    labels = [g.label for g in batch.groups]
+    assert labels.count("arithmetic") == 4 and labels.count("wordle") == 2
+    assert [g.index for g in batch.groups] == list(range(6))
+    metrics = batch_metrics(batch, 0)
     for label in ("arithmetic", "wordle"):
         assert f"reward/{label}/mean" in metrics and f"rollouts/{label}/truncated" in metrics
     assert metrics["turns/wordle/mean"] > 1
     assert "reward/wordle/best_greens" in metrics and "reward/arithmetic/correct" in metrics
-    stats = {"zero_advantage_groups": 0}
-    samples = to_samples(groups, cfg, stats)
-    kept = sum(len(r.samples) for _, g in groups for r in g) - 2 * stats["zero_advantage_groups"]
-    assert len(samples) == kept
+    samples = batch.samples(cfg.sampling.temperature)
+    flat = sum(not g.carries_signal for g in batch.groups)
+    assert len(samples) == sum(len(r.samples) for r in batch.rollouts if r.error is None) - 2 * flat

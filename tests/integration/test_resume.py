@@ -25,7 +25,7 @@ RL_ARGS = [
     "--max-steps", "8", "--seq-len", "96", "--seed", "3", "--inference.port", "0",
     "--ckpt.interval", "2", "--ckpt.keep-last", "3",
     "--orchestrator.batch-size", "8", "--orchestrator.group-size", "4", "--orchestrator.max-async-level", "0",
-    "--orchestrator.sampling.max-tokens", "8", "--trainer.optim.lr", "1e-2",
+    "--orchestrator.sampling.max-tokens", "8", "--orchestrator.max-inflight", "1", "--trainer.optim.lr", "1e-2",
     "--trainer.optim.scheduler", "cosine", "--trainer.optim.warmup-steps", "1",
     "--deployment.inference-threads", "1", "--deployment.trainer-threads", "1",
 ]  # fmt: skip
@@ -56,13 +56,12 @@ def logged(output_dir: Path) -> dict[tuple[int, str], dict[str, float]]:
 
 
 def assert_same_metrics(resumed: dict, reference: dict) -> None:
-    """Equal up to float rounding: the engine seeds every sample, so the same tokens are drawn and rewards
-    are equal; but the logprobs it records are computed in fp32 batches whose make-up depends on timing
-    (measured: up to 5e-7 apart for the same request alone or batched with others), and they enter the loss;
-    docs/checkpoints.md has the figures."""
+    """Bit for bit. The engine seeds every sample, so the same tokens are drawn; and with one group in flight
+    at a time (`max_inflight = 1`) every inference batch has the same make-up, so the logprobs it records,
+    which enter the loss, are the same to the last bit (docs/checkpoints.md)."""
     assert resumed.keys() == reference.keys()
     for key, expected in reference.items():
-        assert resumed[key] == pytest.approx(expected, rel=1e-5, abs=1e-6), key
+        assert resumed[key] == expected, key
 
 
 @pytest.fixture(scope="module")

@@ -67,9 +67,10 @@ def overlaps(orchestrator: dict[int, dict], trainer: dict[int, dict]) -> list[in
     ]
 
 
-def test_async_rl_learns_keeps_the_bound_and_overlaps(warm_model, tmp_path):
+def test_async_rl_on_two_servers_learns_keeps_the_bound_and_overlaps(warm_model, tmp_path):
     steps = 200
-    result = run_rl(warm_model, tmp_path / "run", "--max-steps", str(steps), "--orchestrator.max-async-level", "1")
+    result = run_rl(warm_model, tmp_path / "run", "--max-steps", str(steps), "--orchestrator.max-async-level", "1",
+                    "--deployment.inference-replicas", "2")  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     orchestrator, trainer = by_source(tmp_path / "run", "orchestrator"), by_source(tmp_path / "run", "trainer")
     assert sorted(trainer) == list(range(1, steps + 1))
@@ -97,6 +98,9 @@ def test_async_rl_learns_keeps_the_bound_and_overlaps(warm_model, tmp_path):
     assert overlaps(orchestrator, trainer), "inference never generated while the trainer trained"
     assert (tmp_path / "run" / "weights" / f"step_{steps}" / "STABLE").exists()
     assert (tmp_path / "run" / "logs" / "trainer" / "rank_0.log").exists()
+    # Both servers took groups, and were brought up to every new version.
+    assert all(sum(o[f"perf/server/{i}/tokens_per_s"] for o in orchestrator.values()) > 0 for i in (0, 1))
+    assert orchestrator[steps]["server/0/policy_version"] >= steps - 2
 
 
 def test_sync_rl_never_overlaps(warm_model, tmp_path):

@@ -12,7 +12,8 @@ from asyncrl.orchestrator.advantages import (
     length_penalized,
     rloo_advantages,
 )
-from asyncrl.orchestrator.loop import min_policy_version, to_samples
+from asyncrl.orchestrator.batch import Batch, min_policy_version
+from asyncrl.orchestrator.dispatcher import GroupTicket, score_group
 
 
 def test_grpo_advantage_is_reward_minus_group_mean():
@@ -66,10 +67,10 @@ def test_each_environment_uses_its_own_estimator_and_silent_groups_are_left_out(
         ("b", [rollout(0.5), rollout(0.5)]),  # no signal
         ("b", [rollout(1.0), rollout(0.0, error="boom"), rollout(0.0)]),  # the errored one is left out
     ]
-    stats = {"zero_advantage_groups": 0}
-    samples = to_samples(groups, cfg, stats)
+    scored = [score_group(GroupTicket(i, label, Example([], ""), 0), g, cfg) for i, (label, g) in enumerate(groups)]
+    samples = Batch(1, scored, dropped=0).samples(temperature=1.0)
     assert [s.advantage for s in samples] == pytest.approx([1.0, -1.0, -1.0, 0.5, -0.5, 0.5, -0.5])
-    assert stats["zero_advantage_groups"] == 1
+    assert sum(not g.carries_signal for g in scored) == 1
 
 
 def test_environments_are_configured_by_label():

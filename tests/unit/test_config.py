@@ -100,11 +100,31 @@ def test_batch_must_hold_whole_groups():
 
 def test_resolve_points_orchestrator_at_inference_and_sizes_ranks():
     cfg, _ = load(RLConfig, ["--inference.port", "0", "--deployment.trainer-ranks", "2"])
-    inference, orchestrator, trainer = resolve(cfg)
+    [inference], orchestrator, trainer = resolve(cfg)
     assert inference.port > 0
-    assert orchestrator.inference_url == f"http://127.0.0.1:{inference.port}"
+    assert orchestrator.inference_urls == [f"http://127.0.0.1:{inference.port}"]
     assert orchestrator.num_trainer_ranks == 2
     assert inference.num_threads >= 1 and trainer.num_threads >= 1
+
+
+def test_resolve_gives_each_replica_its_port_and_a_share_of_the_threads():
+    flags = ["--inference.port", "0", "--deployment.inference-replicas", "3", "--deployment.inference-threads", "6",
+             "--deployment.inference-device", "cpu", "--deployment.trainer-device", "cpu"]  # fmt: skip
+    cfg, _ = load(RLConfig, flags)
+    replicas, orchestrator, _ = resolve(cfg)
+    assert len({r.port for r in replicas}) == 3
+    assert orchestrator.inference_urls == [f"http://127.0.0.1:{r.port}" for r in replicas]
+    assert [r.num_threads for r in replicas] == [2, 2, 2]
+    assert {r.device for r in replicas} == {"cpu"}
+
+
+def test_resolve_puts_replicas_on_consecutive_gpus_from_the_one_given():
+    flags = ["--inference.port", "9000", "--deployment.inference-replicas", "2",
+             "--deployment.inference-device", "cuda:2", "--deployment.trainer-device", "cuda"]  # fmt: skip
+    replicas, orchestrator, trainer = resolve(load(RLConfig, flags)[0])
+    assert [r.device for r in replicas] == ["cuda:2", "cuda:3"]
+    assert [r.port for r in replicas] == [9000, 9001]
+    assert trainer.device == "cuda"
 
 
 def test_config_reference_in_docs_is_up_to_date():

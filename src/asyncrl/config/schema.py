@@ -45,6 +45,9 @@ class SamplingConfig(Config):
     temperature: float = Field(1.0, gt=0, description="sampling temperature; logprobs are taken at it")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
     max_tokens: int = Field(64, ge=1, description="most tokens sampled per turn")
+    ignore_eos: bool = Field(
+        False, description="keep sampling past EOS until max_tokens (for throughput benchmarks; training wants EOS)"
+    )
 
 
 class EnvironmentConfig(Config):
@@ -278,17 +281,37 @@ class OrchestratorConfig(Config):
     max_steps: int = Field(20, ge=1, description="training steps (batches)")
     seed: int = Field(0, description="seed of data order and sampling")
     output_dir: Path = Field(Path("outputs/run"), description="the run folder (see README: a run on disk)")
-    inference_url: str = Field("http://127.0.0.1:8000", description="the inference server (set by `asyncrl rl`)")
+    inference_urls: list[str] = Field(
+        ["http://127.0.0.1:8000"],
+        min_length=1,
+        description="the inference servers of the pool (`asyncrl rl` sets them); native or vLLM, on any host",
+    )
+    inference_api_key: str | None = Field(
+        None, description="sent as 'Authorization: Bearer <key>' to the servers' generate route (inference.api_key)"
+    )
     environments: dict[str, RLEnvironmentConfig] = Field(
         default_factory=lambda: {"reverse_text": RLEnvironmentConfig()},
         description="environments sampled by weight, by label: [orchestrator.environments.<label>]",
     )
     sampling: SamplingConfig = SamplingConfig()
     eval: OnlineEvalConfig = OnlineEvalConfig()
-    batch_size: int = Field(64, ge=1, description="rollouts per training step")
+    batch_size: int = Field(
+        64, ge=1, description="rollouts per training step: a batch is cut as soon as this many are queued"
+    )
+    batch_tokens: int | None = Field(
+        None, ge=1, description="cut a batch at this many queued tokens instead of batch_size rollouts"
+    )
     group_size: int = Field(8, ge=1, description="rollouts per example; advantages compare within a group")
     max_async_level: int = Field(1, ge=0, description="batch n uses policy versions >= n - 1 - max_async_level")
-    max_concurrency: int = Field(64, ge=1, description="groups in flight on the inference server")
+    max_inflight: int = Field(64, ge=1, description="groups in flight across all inference servers at most")
+    dynamic_sampling: bool = Field(
+        False,
+        description="leave out groups whose rewards are all equal (no signal) and draw more until the batch is "
+        "full; counted as batch/filtered_groups",
+    )
+    server_timeout: float = Field(
+        60.0, gt=0, description="seconds a server may leave /health unanswered before it is marked down"
+    )
     num_trainer_ranks: int = Field(1, ge=1, description="batch files per step (set by `asyncrl rl`)")
     samples_per_step: int = Field(
         4, ge=0, description="decoded rollouts (one per prompt) written to samples.jsonl each step"
@@ -403,11 +426,18 @@ class SFTConfig(Config):
 
 class DeploymentConfig(Config):
     trainer_ranks: int = Field(1, ge=1, description="torchrun processes for the trainer")
-    inference_device: str = Field("auto", description="device of the inference server")
+    inference_device: str = Field(
+        "auto", description="device of the inference servers ('cuda:N' puts replica i on GPU N + i)"
+    )
     trainer_device: str = Field("auto", description="device of the trainer ranks")
-    inference_threads: int = Field(0, ge=0, description="CPU threads of the inference server; 0 = half the cores")
+    inference_threads: int = Field(
+        0, ge=0, description="CPU threads of all inference servers, split among the replicas; 0 = half the cores"
+    )
     trainer_threads: int = Field(0, ge=0, description="CPU threads per trainer rank; 0 = the rest")
-    startup_timeout: float = Field(300.0, gt=0, description="seconds to wait for the inference server")
+    inference_replicas: int = Field(
+        1, ge=1, description="inference servers started; the orchestrator spreads groups over them"
+    )
+    startup_timeout: float = Field(300.0, gt=0, description="seconds to wait for the inference servers")
 
 
 class RLConfig(Config):

@@ -100,7 +100,13 @@ class Rollout:
 
     @property
     def min_policy_version(self) -> int:
+        """The oldest policy version among its tokens: what the off-policy bound is checked against."""
         return min(self.policy_versions, default=0)
+
+    @property
+    def max_policy_version(self) -> int:
+        """The newest: newer than the oldest when weights changed while the episode ran."""
+        return max(self.policy_versions, default=0)
 
     @property
     def num_tokens(self) -> int:

@@ -1,33 +1,32 @@
 """Online evals during `asyncrl rl`: every `eval.interval` steps, the held-out examples of each environment.
 
-An eval of step n starts together with batch n's generation and must end before batch n goes to the
-trainer. So it runs on the same weights as batch n (the orchestrator only changes weights between
-batches), it shares the server's decoding batches with the training rollouts instead of queueing behind
-them, and it delays the trainer only by the time it takes beyond the batch. Its rollouts never enter a
-batch, so the off-policy accounting is untouched. Metrics go to metrics.jsonl with source orchestrator, one
-line per eval before the training line of its step: `eval/<label>/avg@n`, `eval/<label>/pass@k`,
-`eval/<label>/errored`, `eval/<label>/truncated`, `eval/<label>/mean/<name>`, `eval/policy_version`,
-`eval/time`.
+The eval of step n starts when the orchestrator starts waiting for batch n, on the weights the servers
+hold then, and runs alongside the training rollouts: its requests go to the least-loaded server of the
+pool and share its decoding batches instead of queueing behind them. It never holds a batch back, and its
+rollouts never enter one, so the off-policy accounting is untouched. An eval that is due while the
+previous one still runs is skipped (a line says so). Metrics go to metrics.jsonl with source orchestrator,
+one line per eval, logged when it ends: `eval/<label>/avg@n`, `eval/<label>/pass@k`,
+`eval/<label>/errored`, `eval/<label>/truncated`, `eval/<label>/mean/<name>`, `eval/policy_version` (the
+oldest version among its tokens; weights may go live while it runs), `eval/time`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 from asyncrl.config.schema import EvalEnvironmentConfig, OrchestratorConfig
+from asyncrl.environments.base import Policy
 from asyncrl.evals.metrics import summarize
 from asyncrl.evals.routes import TokenRoute
 from asyncrl.evals.run import evaluate, load_eval_environments
 from asyncrl.metrics import MetricsLogger
-from asyncrl.orchestrator.client import InferenceClient, ServedPolicy
 
 LOGGED = ("avg@", "pass@", "errored", "truncated", "mean/")  # per-environment summary keys that become metrics
 
 
 class OnlineEvals:
-    def __init__(self, cfg: OrchestratorConfig, client: InferenceClient, tokenizer: Any, metrics: MetricsLogger):
+    def __init__(self, cfg: OrchestratorConfig, policy: Policy, metrics: MetricsLogger):
         self.suite = cfg.eval
         self.metrics = metrics
         self.task: asyncio.Task | None = None
@@ -35,18 +34,24 @@ class OnlineEvals:
             label: EvalEnvironmentConfig(name=env.name, args=env.args) for label, env in cfg.environments.items()
         }
         self.envs = load_eval_environments(self.env_cfgs) if self.suite.interval else {}
-        self.route = TokenRoute(ServedPolicy(client, tokenizer, cfg.sampling, cfg.seq_len))
+        self.route = TokenRoute(policy)
 
     def start(self, step: int) -> None:
         """Start the eval of `step` when one is due (steps 1, 1 + interval, ...)."""
-        if self.suite.interval and (step - 1) % self.suite.interval == 0:
-            self.task = asyncio.create_task(self._run(step))
+        if not self.suite.interval or (step - 1) % self.suite.interval != 0:
+            return
+        if self.task is not None and not self.task.done():
+            print(f"orchestrator: eval of step {step} skipped: the previous eval still runs", flush=True)
+            return
+        if self.task is not None:
+            self.task.result()  # an eval that failed stops the run here
+        self.task = asyncio.create_task(self._run(step))
 
-    async def finish(self) -> None:
-        """Wait for the eval started with this batch, if any; its metrics are logged when it ends."""
+    async def finish(self, timeout: float) -> None:
+        """Wait for the eval in progress, if any; its metrics are logged when it ends."""
         if self.task is not None:
             task, self.task = self.task, None
-            await task
+            await asyncio.wait_for(task, timeout)
 
     async def _run(self, step: int) -> None:
         start = time.time()

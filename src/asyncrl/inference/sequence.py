@@ -25,6 +25,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()  # end the sample once its decoded text contains one of these
     seed: int | None = None  # sample i draws from a generator seeded with seed + i
     top_logprobs: int = 0  # alternatives recorded per token
+    ignore_eos: bool = False  # sample on past EOS until max_tokens (benchmarks); stop tokens still stop
 
 
 @dataclass

@@ -76,6 +76,7 @@ class GenerateBody(BaseModel):
     max_tokens: int = Field(64, ge=1)
     stop_token_ids: list[int] = []
     seed: int | None = None
+    ignore_eos: bool = False
 
 
 class StreamOptions(BaseModel):
@@ -469,6 +470,7 @@ def create_app(engine: Engine, cfg: InferenceConfig, receiver: WeightReceiver | 
             prompt_ids=body.prompt_ids,
             max_tokens=body.max_tokens,
             stop_token_ids=tuple(body.stop_token_ids),
+            ignore_eos=body.ignore_eos,
             **sampling(body),
         )
         completions = await run(request)

@@ -384,6 +384,7 @@ def create_vllm_app(backend: VLLMBackend, cfg: InferenceConfig, served_config: d
                 "max_tokens": body.max_tokens,
                 "seed": body.seed,
                 "stop_token_ids": body.stop_token_ids,
+                "ignore_eos": body.ignore_eos,
                 "logprobs": 0,  # the sampled token's logprob only
             },
         }
