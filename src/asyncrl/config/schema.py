@@ -75,6 +75,25 @@ class RLEnvironmentConfig(Config):
     args: dict = Field(default_factory=dict, description="keyword arguments of the environment")
     weight: float = Field(1.0, gt=0, description="share of each batch's groups, relative to the other environments")
     advantage: AdvantageConfig = AdvantageConfig()
+    env_server: str | list[str] | None = Field(
+        None,
+        description="run respond() and rewards in env-server worker processes: 'local' (started by the "
+        "orchestrator), or the URL(s) of `asyncrl env-server`; unset: in the orchestrator's process",
+    )
+    workers: int = Field(2, ge=1, description="env_server: worker processes of this environment (on each server)")
+    call_timeout: float = Field(
+        60.0, gt=0, description="env_server: seconds one respond() or scoring may take before its worker is restarted"
+    )
+
+
+class EnvServerConfig(Config):
+    """`asyncrl env-server`: environments' respond() and reward functions in worker processes."""
+
+    host: str = Field(
+        "127.0.0.1", description="address to bind; it runs any environment it is asked to: keep it private"
+    )
+    port: int = Field(8100, ge=1, le=65535, description="port to bind")
+    parent_pid: int | None = Field(None, description="exit when this process is gone (set for a 'local' env-server)")
 
 
 class OptimConfig(Config):
