@@ -12,13 +12,14 @@ from asyncrl.errors import AsyncRLError
 
 def _builtin() -> dict[str, type[Environment]]:
     from asyncrl.environments.arithmetic import Arithmetic
+    from asyncrl.environments.code import Code
     from asyncrl.environments.dataset import Dataset
     from asyncrl.environments.reverse_text import ReverseText
     from asyncrl.environments.tool_calc import ToolCalc
     from asyncrl.environments.verifiers_adapter import VerifiersEnvironment
     from asyncrl.environments.wordle import Wordle
 
-    return {env.name: env for env in (ReverseText, Arithmetic, Wordle, ToolCalc, Dataset, VerifiersEnvironment)}
+    return {env.name: env for env in (ReverseText, Arithmetic, Wordle, ToolCalc, Code, Dataset, VerifiersEnvironment)}
 
 
 def _import(path: str) -> type[Environment]:
