@@ -18,7 +18,8 @@ commands:
   trainer       train on rollout batches (run under torchrun for several ranks)
                 '--bench': time train steps on random tokens (tokens/s, MFU, memory)
   sft           supervised fine-tuning on chat data
-  eval          avg@n / pass@k of environments against a served model (docs/evals.md)
+  eval          avg@n / pass@k of environments against a model folder or a served model (docs/evals.md)
+  env-server    run environments' respond() and rewards in worker processes (docs/environments.md)
   model init    build a small model and byte-level tokenizer offline
 
 Config files are layered left to right ('@ a.toml @ b.toml'), then dotted flags override them
@@ -93,6 +94,11 @@ def _run(command: str, argv: list[str]) -> int | None:
         from asyncrl.evals.run import run_eval
 
         return run_eval(cfg.load(EvalConfig, argv)[0])
+    if command == "env-server":
+        from asyncrl.config.schema import EnvServerConfig
+        from asyncrl.env_server.server import serve_environments
+
+        return serve_environments(cfg.load(EnvServerConfig, argv)[0])
     if command == "sft":
         from asyncrl.trainer.sft import train_sft
 

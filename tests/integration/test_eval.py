@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from servers import free_port, inference_command, running_server  # tests/integration, on sys.path under pytest
 
@@ -88,7 +89,11 @@ def check_results_match_summary(results: list[dict], summary: dict) -> None:
         for k in (1, 2, 4):
             passing = [sum(r["passed"] for r in lines if r["example"] == i) for i in range(examples)]
             assert s[f"pass@{k}"] == pytest.approx(statistics.fmean(pass_at_k(N, c, k) for c in passing))
-    assert all(r["turns"] == 2 for r in results if r["env"] == "two_turns")
+    for r in results:  # the whole conversation: the prompt, every answer, every environment message
+        roles = ["user", "assistant", "user", "assistant"] if r["env"] == "two_turns" else ["user", "assistant"]
+        assert [m["role"] for m in r["messages"]] == roles
+        assert r["messages"][-1]["content"] == r["completion"] and r["messages"][0]["content"] == r["prompt"]
+    assert all(r["turns"] == 2 and r["messages"][2]["content"] == "again" for r in results if r["env"] == "two_turns")
 
 
 def test_eval_over_the_token_route(model, server, tmp_path):
@@ -109,6 +114,22 @@ def test_eval_over_the_chat_route(model, server, tmp_path):
     assert summary["api"] == "chat"
     check_results_match_summary(results, summary)
     assert all(r["completion_tokens"] is None for r in results)
+
+
+def test_eval_of_a_model_folder_starts_and_stops_its_own_server(model, tmp_path):
+    config = tmp_path / "eval.toml"
+    config.write_text(EVAL_TOML.format(model=model))
+    output_dir = tmp_path / "eval"
+    result = asyncrl("eval", "@", str(config), "--output-dir", str(output_dir), "--server.seq-len", "256",
+                     "--server.num-threads", "1")  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["api"] == "generate" and summary["inference_url"] is None
+    check_results_match_summary(read_jsonl(output_dir / "results.jsonl"), summary)
+    url = result.stdout.split(" on ", 1)[1].split()[0]
+    assert url.startswith("http://127.0.0.1:") and f"serving {model}" in (output_dir / "inference.log").read_text()
+    with pytest.raises(httpx.TransportError):  # stopped with the eval
+        httpx.get(f"{url}/health", timeout=2)
 
 
 def test_unreachable_server_is_one_clear_error(model, tmp_path):

@@ -234,3 +234,27 @@ def test_bench_names_a_row_it_cannot_split_into_equal_documents(tiny_model):
     )
     assert result.returncode == 2
     assert "seq_len 100 is not a multiple of bench.documents 3" in result.stderr
+
+
+def test_sft_from_a_jsonl_file_trains_its_epochs_then_stops_and_saves_intermediate_models(tmp_path, tiny_model):
+    data = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": w}, {"role": "assistant", "content": w[::-1]}]} for w in WORDS]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    output_dir = tmp_path / "sft"
+    result = run_asyncrl(
+        ["sft", "--model.name", str(tiny_model), "--output-dir", str(output_dir), "--data.path", str(data),
+         "--data.epochs", "2", "--data.batch-size", "8", "--eval.size", "4", "--max-steps", "100",
+         "--save-interval", "2", "--log-interval", "1", "--seq-len", "256", "--num-threads", "1"]
+    )  # fmt: skip
+    # 20 rows, 4 held out: 2 epochs of 16 conversations in batches of 8
+    assert "the data lasts 4 of max_steps 100" in result.stdout
+    steps = [m["step"] for m in read_jsonl(output_dir / "metrics.jsonl") if "loss" in m]
+    assert steps == [1, 2, 3, 4]
+    assert "eval/loss" in read_jsonl(output_dir / "metrics.jsonl")[-1]
+    assert sorted(p.name for p in (output_dir / "weights").iterdir()) == ["step_2"]
+    for folder in (output_dir / "weights" / "step_2", output_dir / "final"):
+        assert AutoModelForCausalLM.from_pretrained(folder).config.vocab_size == VOCAB
+
+
+WORDS = ["apple", "river", "stone", "cloud", "light", "green", "music", "table", "chair", "plant",
+         "ocean", "tiger", "bread", "smile", "house", "paper", "train", "horse", "glass", "sugar"]  # fmt: skip

@@ -4,9 +4,10 @@ import math
 from pathlib import Path
 
 import pytest
+from scripted_policy import ScriptedPolicy  # tests/unit, on sys.path under pytest
 
 from asyncrl.environments import load_environment
-from asyncrl.environments.base import Completion, Example
+from asyncrl.environments.base import Example
 from asyncrl.environments.rubric import Rubric
 from asyncrl.environments.tool_calc import calculate, run_tool_call
 from asyncrl.environments.wordle import marks
@@ -80,33 +81,6 @@ def test_environment_by_import_path():
 
 
 # ---- multi-turn rollouts, token-in/token-out (a scripted policy stands in for the server) ----
-
-
-class ScriptedPolicy:
-    """Answers with the given texts, in order, as byte tokens ending in <|im_end|> (cut at `max_tokens`),
-    recording every prompt it is sent."""
-
-    temperature = 1.0
-    seq_len = None
-
-    def __init__(self, answers: list[str], max_tokens: int = 64, tokenizer=None):
-        self.tokenizer = tokenizer or build_tokenizer()
-        self.answers = list(answers)
-        self.max_tokens = max_tokens
-        self.prompts: list[list[int]] = []
-        self.sampled: list[list[int]] = []
-
-    async def generate(self, prompt_ids, n, max_tokens=None):
-        completions = []
-        for _ in range(n):
-            self.prompts.append(list(prompt_ids))
-            ids = self.tokenizer.encode(self.answers.pop(0)) + [self.tokenizer.eos_token_id]
-            limit = max_tokens or self.max_tokens
-            finish = "stop" if len(ids) <= limit else "length"
-            ids = ids[:limit]
-            self.sampled.append(ids)
-            completions.append(Completion(ids, [-0.5] * len(ids), [0] * len(ids), finish))
-        return completions
 
 
 def play(env, example, answers, **policy_args):
@@ -304,3 +278,51 @@ def test_the_example_in_docs_environments_md_plays_as_documented():
     rollout, _ = play(unit, example, [f"<tool_call>{call}</tool_call>", example.answer], max_tokens=100)
     assert rollout.messages[2] == {"role": "tool", "content": example.answer}
     assert rollout.reward == 1.0
+
+
+# ---- the episode loop: what respond and reward functions are told ----
+
+
+def test_respond_is_told_the_turn_and_rewards_see_truncation_by_parameter_name():
+    seen_turns = []
+
+    def cut(is_truncated: bool, turns: int) -> float:
+        return float(is_truncated) + turns / 10
+
+    class Counting(load_environment("wordle").__class__):
+        async def respond(self, messages, state, example, turn):
+            seen_turns.append(turn)
+            return await super().respond(messages, state, example)
+
+    env = Counting(max_guesses=3)
+    env.rubric = Rubric([(cut, 1.0)])
+    rollout, _ = play(env, WORDLE, ["world", "lolly", "llama"])
+    assert seen_turns == [1, 2, 3]
+    assert rollout.is_truncated is False and rollout.reward == pytest.approx(0.3)  # the game ended itself
+
+    env = Counting(max_guesses=3, max_turns=2)
+    env.rubric = Rubric([(cut, 1.0)])
+    rollout, _ = play(env, WORDLE, ["world", "lolly"])
+    assert rollout.is_truncated and rollout.reward == pytest.approx(1.2)  # max_turns ended it
+
+
+def test_reward_function_with_an_unknown_parameter_is_refused_when_the_rubric_is_built():
+    def judge(completion, reference):
+        return 1.0
+
+    with pytest.raises(ValueError, match="'judge' takes 'reference'; reward functions take any of completion"):
+        Rubric([(judge, 1.0)])
+
+
+def test_a_rollout_that_ends_on_an_environment_message_is_scored_on_the_last_answer():
+    class SlowSecondAnswer(ScriptedPolicy):
+        async def generate(self, prompt_ids, n, max_tokens=None):
+            if self.prompts:
+                await asyncio.sleep(5)
+            return await super().generate(prompt_ids, n, max_tokens)
+
+    env = load_environment("wordle", time_limit=0.5)  # the second answer comes too late
+    env.rubric = Rubric([(lambda completion: float(completion == "world"), 1.0)])
+    [rollout] = asyncio.run(env.rollout_group(WORDLE, SlowSecondAnswer(["world", "lolly"]), 1))
+    assert rollout.messages[-1]["role"] == "user" and rollout.is_truncated
+    assert rollout.completion_text == "world" and rollout.reward == 1.0

@@ -47,7 +47,7 @@ def sample(example: int, index: int, reward: float, passed: bool, error: str | N
     return EvalSample(
         env="reverse_text", example=example, sample=index, prompt="abc", answer="cba", completion="cba",
         reward=reward, passed=passed, metrics={"exact_match": float(passed)}, error=error, finish_reason="stop",
-        turns=1, is_truncated=index == 3, completion_tokens=4, policy_version=0,
+        turns=1, is_truncated=index == 3, completion_tokens=4, policy_version=0, messages=[],
     )  # fmt: skip
 
 

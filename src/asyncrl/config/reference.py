@@ -11,6 +11,7 @@ from pydantic import BaseModel
 
 from asyncrl.config.loader import _submodel
 from asyncrl.config.schema import (
+    EnvServerConfig,
     EvalConfig,
     InferenceConfig,
     OrchestratorConfig,
@@ -26,6 +27,7 @@ COMMANDS = [
     ("asyncrl trainer", TrainerConfig),
     ("asyncrl sft", SFTConfig),
     ("asyncrl eval", EvalConfig),
+    ("asyncrl env-server", EnvServerConfig),
 ]
 
 

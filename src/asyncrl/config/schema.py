@@ -78,6 +78,25 @@ class RLEnvironmentConfig(Config):
     args: dict = Field(default_factory=dict, description="keyword arguments of the environment")
     weight: float = Field(1.0, gt=0, description="share of each batch's groups, relative to the other environments")
     advantage: AdvantageConfig = AdvantageConfig()
+    env_server: str | list[str] | None = Field(
+        None,
+        description="run respond() and rewards in env-server worker processes: 'local' (started by the "
+        "orchestrator), or the URL(s) of `asyncrl env-server`; unset: in the orchestrator's process",
+    )
+    workers: int = Field(2, ge=1, description="env_server: worker processes of this environment (on each server)")
+    call_timeout: float = Field(
+        60.0, gt=0, description="env_server: seconds one respond() or scoring may take before its worker is restarted"
+    )
+
+
+class EnvServerConfig(Config):
+    """`asyncrl env-server`: environments' respond() and reward functions in worker processes."""
+
+    host: str = Field(
+        "127.0.0.1", description="address to bind; it runs any environment it is asked to: keep it private"
+    )
+    port: int = Field(8100, ge=1, le=65535, description="port to bind")
+    parent_pid: int | None = Field(None, description="exit when this process is gone (set for a 'local' env-server)")
 
 
 class OptimConfig(Config):
@@ -180,11 +199,26 @@ class ServedModelConfig(Config):
     )
 
 
+class EvalServerConfig(Config):
+    """The `asyncrl inference` server `asyncrl eval` starts for model.name when no inference_url is given."""
+
+    seq_len: int = Field(2048, ge=8, description="longest prompt + completion the server accepts")
+    device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
+    num_threads: int = Field(0, ge=0, description="torch CPU threads of the server; 0 = half the cores")
+    args: list[str] = Field([], description="more `asyncrl inference` flags, e.g. ['--max-batch-size', '64']")
+    startup_timeout: float = Field(300.0, gt=0, description="seconds for the server to load the model and answer")
+
+
 class EvalConfig(EvalSuiteConfig):
     """The `asyncrl eval` config: environments against a served model."""
 
     model: ServedModelConfig = ServedModelConfig()
-    inference_url: str = Field("http://127.0.0.1:8000", description="asyncrl inference, vLLM or any OpenAI API")
+    inference_url: str | None = Field(
+        None,
+        description="asyncrl inference, vLLM or any OpenAI API; unset: start asyncrl inference for model.name "
+        "([server]) and stop it after the eval",
+    )
+    server: EvalServerConfig = EvalServerConfig()
     api: Literal["auto", "generate", "chat"] = Field(
         "auto", description="token route /v1/generate, or /v1/chat/completions; auto: generate when the server has it"
     )
@@ -396,8 +430,40 @@ class TrainerConfig(Config):
 
 
 class SFTDataConfig(Config):
+    """What SFT trains on: chat data from files or a Hugging Face dataset (`path`), or an environment's
+    reference answers (`environment`, the default). docs/data.md says which tokens train."""
+
     environment: EnvironmentConfig = EnvironmentConfig()
+    path: str | list[str] | None = Field(
+        None,
+        description="JSONL or Parquet file(s), a folder (datasets' save_to_disk, or of data files), or a Hugging "
+        "Face hub id; unset: the environment's examples",
+    )
+    split: str = Field("train", description="path: the split to read (folders with splits and hub ids)")
+    subset: str | None = Field(None, description="path: the dataset's configuration name on the hub")
+    messages_column: str = Field(
+        "messages", description="column of chat messages (tool calls included); used when the rows have it"
+    )
+    prompt_column: str = Field("prompt", description="else: the prompt (a string, or a list of messages)")
+    completion_column: str = Field("completion", description="else: the completion (a string, or a list of messages)")
+    tools_column: str = Field("tools", description="optional column of tool JSON schemas for the chat template")
+    loss_on: Literal["all_assistant", "last_assistant"] = Field(
+        "all_assistant", description="which assistant turns of a conversation train: every one, or the last"
+    )
+    epochs: int = Field(
+        1,
+        ge=1,
+        description="passes over finite data (files, or an environment whose examples end); "
+        "SFT stops after them, or at max_steps",
+    )
+    shuffle: bool = Field(True, description="a new seeded order of the rows every epoch (files only)")
     batch_size: int = Field(64, ge=1, description="examples per optimizer step")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SFTDataConfig:
+        if self.path is not None and "environment" in self.model_fields_set:
+            raise ValueError("set data.path (files or a dataset) or data.environment, not both")
+        return self
 
 
 class SFTEvalConfig(Config):
@@ -419,6 +485,9 @@ class SFTConfig(Config):
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda'")
     num_threads: int = Field(0, ge=0, description="torch CPU threads per rank; 0 keeps torch's default")
     log_interval: int = Field(10, ge=1, description="steps between metric lines")
+    save_interval: int = Field(
+        0, ge=0, description="also write a Hugging Face model to output_dir/weights/step_N every this many steps"
+    )
     eval: SFTEvalConfig = SFTEvalConfig()
     ckpt: CheckpointConfig = CheckpointConfig()
     resume: Resume = None

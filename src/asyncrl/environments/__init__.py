@@ -5,18 +5,21 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from asyncrl.config.schema import RLEnvironmentConfig
 from asyncrl.environments.base import Environment, Example
 from asyncrl.errors import AsyncRLError
 
 
 def _builtin() -> dict[str, type[Environment]]:
     from asyncrl.environments.arithmetic import Arithmetic
+    from asyncrl.environments.code import Code
+    from asyncrl.environments.dataset import Dataset
     from asyncrl.environments.reverse_text import ReverseText
     from asyncrl.environments.tool_calc import ToolCalc
     from asyncrl.environments.verifiers_adapter import VerifiersEnvironment
     from asyncrl.environments.wordle import Wordle
 
-    return {env.name: env for env in (ReverseText, Arithmetic, Wordle, ToolCalc, VerifiersEnvironment)}
+    return {env.name: env for env in (ReverseText, Arithmetic, Wordle, ToolCalc, Code, Dataset, VerifiersEnvironment)}
 
 
 def _import(path: str) -> type[Environment]:
@@ -44,4 +47,16 @@ def load_environment(name: str, **args: Any) -> Environment:
         raise AsyncRLError(f"environment '{name}': bad arguments in its args: {e}") from None
 
 
-__all__ = ["Environment", "Example", "load_environment"]
+def environment_from_config(label: str, cfg: RLEnvironmentConfig) -> Environment:
+    """The environment of `[orchestrator.environments.<label>]`: in this process, or served by env-servers
+    (`env_server`): then its respond() and rewards run in their worker processes (docs/environments.md)."""
+    name = cfg.name or label
+    if cfg.env_server is None:
+        return load_environment(name, **cfg.args)
+    from asyncrl.env_server.remote import RemoteEnvironment
+
+    urls = [cfg.env_server] if isinstance(cfg.env_server, str) else list(cfg.env_server)
+    return RemoteEnvironment(label, name, cfg.args, urls, cfg.workers, cfg.call_timeout)
+
+
+__all__ = ["Environment", "Example", "environment_from_config", "load_environment"]

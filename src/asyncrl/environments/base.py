@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import inspect
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from asyncrl.errors import AsyncRLError
+
 if TYPE_CHECKING:
-    from asyncrl.environments.rubric import Rubric
+    from asyncrl.environments.rubric import Rubric, Score
 
 Messages = list[dict[str, Any]]
 State = dict[str, Any]
@@ -82,7 +85,8 @@ class Rollout:
     """One finished episode, ready for advantages and packing.
 
     Usually one token sample; each turn whose chat-template rendering breaks the token prefix starts
-    another (`prefix_breaks`). `completion_text` is the last assistant message: what reward functions score.
+    another (`prefix_breaks`); none when the episode was played in messages (the evals' chat route).
+    `completion_text` is the last assistant message: what reward functions score.
     """
 
     example: Example
@@ -131,27 +135,60 @@ class RolloutLimits:
     time_limit: float | None = None  # seconds from the first request to the last token
 
 
+class Conversation(Protocol):
+    """One episode's conversation as the episode loop (`Environment.play`) sees it. `Episode` keeps it in
+    tokens with the policy (training, and evals over the token route); the evals' chat route keeps it in
+    messages with an OpenAI-compatible server."""
+
+    messages: Messages  # the whole conversation; the last message is the assistant's latest answer
+    turns: int  # assistant answers so far
+    finish_reason: str  # of the latest answer: "stop", or "length" when it was cut at max_tokens
+    samples: list[TokenSample]  # what the trainer sees (none at message level)
+    policy_versions: list[int]  # per sampled token (none at message level)
+
+    def add_environment(self, new_messages: Messages) -> bool:
+        """Append the environment's messages; False (nothing appended) when they leave no room."""
+        ...
+
+    async def next_answer(self) -> bool:
+        """Sample the policy's next answer and append it; False when no room or time is left for one."""
+        ...
+
+
 class Episode:
-    """The token bookkeeping of one multi-turn conversation (token-in/token-out).
+    """The token bookkeeping of one multi-turn conversation with the policy (token-in/token-out).
 
     Text is what the environment reads and writes; tokens are what the policy saw and sampled. The
     environment's messages are turned into tokens by rendering the conversation with and without them and
     taking the difference; the assistant's own tokens are never re-rendered. When the chat template renders
     the conversation differently once new messages are added (some templates rewrite earlier turns), the
     prefix is broken: the current sample ends and a new one starts from the template's rendering.
+
+    `max_tokens` bounds one token sample (the environment's limit and the server's `seq_len`); `deadline`
+    (time.monotonic) is the episode's time limit.
     """
 
-    def __init__(self, tokenizer: Any, prompt: Messages, tools: list[dict] | None = None):
-        self.tokenizer = tokenizer
+    def __init__(
+        self,
+        policy: Policy,
+        prompt: Messages,
+        tools: list[dict] | None = None,
+        max_tokens: int | None = None,
+        deadline: float | None = None,
+    ):
+        self.policy = policy
+        self.tokenizer = policy.tokenizer
         self.tools = tools
+        self.max_tokens = max_tokens
+        self.deadline = deadline
         self.messages: Messages = [dict(m) for m in prompt]
         self.samples = [TokenSample([], [], [])]
         self.samples[0].extend(self.render(self.messages, add_generation_prompt=True))
         self.policy_versions: list[int] = []
         self.turns = 0
         self.finish_reason = ""
-        end = tokenizer.convert_tokens_to_ids(END_OF_TURN)
-        self.end_of_turn = tokenizer.eos_token_id if end is None or end == tokenizer.unk_token_id else end
+        end = self.tokenizer.convert_tokens_to_ids(END_OF_TURN)
+        self.end_of_turn = self.tokenizer.eos_token_id if end is None or end == self.tokenizer.unk_token_id else end
 
     def render(self, messages: Messages, add_generation_prompt: bool = False) -> list[int]:
         return self.tokenizer.apply_chat_template(
@@ -172,6 +209,35 @@ class Episode:
         ]
         other.policy_versions = list(self.policy_versions)
         return other
+
+    async def first_answers(self, group_size: int) -> list[Episode]:
+        """`group_size` copies of this episode, each with its own first answer, sampled in one request (the
+        prompt is prefilled once); none when no room or time is left for an answer."""
+        completions = await self._sample(group_size)
+        episodes = [self.copy() for _ in completions or ()]
+        for episode, completion in zip(episodes, completions or ()):
+            episode.add_completion(completion)
+        return episodes
+
+    async def next_answer(self) -> bool:
+        sampled = await self._sample(1)
+        if sampled is None:
+            return False
+        self.add_completion(sampled[0])
+        return True
+
+    async def _sample(self, n: int) -> list[Completion] | None:
+        """`n` completions within the token budget and the time limit; None when neither leaves room."""
+        budget = self.policy.max_tokens
+        if self.max_tokens is not None:
+            budget = min(budget, self.max_tokens - len(self.input_ids))
+        remaining = remaining_time(self.deadline)
+        if budget < 1 or (remaining is not None and remaining <= 0):
+            return None
+        try:
+            return await asyncio.wait_for(self.policy.generate(self.input_ids, n, budget), remaining)
+        except TimeoutError:
+            return None
 
     def add_completion(self, completion: Completion) -> None:
         """Append what the policy sampled, as sampled, and its text as the assistant's message."""
@@ -196,27 +262,32 @@ class Episode:
         sampled_end = self.input_ids[-1:] == [self.end_of_turn]
         return ([] if sampled_end or not ends else [self.end_of_turn]) + close + after[len(before) :]
 
-    def add_environment(self, new_messages: Messages, max_tokens: int | None) -> bool:
+    def add_environment(self, new_messages: Messages) -> bool:
         """Append the environment's messages; False (nothing appended) when they would pass `max_tokens`."""
         tokens = self.environment_tokens(new_messages)
         if tokens is None:
             tokens = self.render(self.messages + new_messages, add_generation_prompt=True)
-            if max_tokens is not None and len(tokens) >= max_tokens:
+            if self.max_tokens is not None and len(tokens) >= self.max_tokens:
                 return False
             self.samples.append(TokenSample([], [], []))
-        elif max_tokens is not None and len(self.input_ids) + len(tokens) >= max_tokens:
+        elif self.max_tokens is not None and len(self.input_ids) + len(tokens) >= self.max_tokens:
             return False
         self.samples[-1].extend(tokens)
         self.messages += [dict(m) for m in new_messages]
         return True
 
 
+def remaining_time(deadline: float | None) -> float | None:
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+
 class Environment:
     """Subclasses yield examples and define a rubric; override `respond` for multi-turn episodes.
 
-    The rollout is the same for every environment: the policy answers, `respond` reads the answer and
-    returns the environment's messages (a user reply, a tool result, game feedback) or None to end the
-    episode. The default `respond` ends it after the first answer: a single-turn environment.
+    The episode loop (`play`) is the same for every environment and every route: the policy answers,
+    `respond` reads the answer and returns the environment's messages (a user reply, a tool result, game
+    feedback) or None to end the episode. The default `respond` ends it after the first answer: a single-turn
+    environment.
     """
 
     name: str = "environment"
@@ -230,7 +301,8 @@ class Environment:
         self.limits = RolloutLimits(max_turns, max_tokens, time_limit)
 
     def examples(self, seed: int) -> Iterator[Example]:
-        """An endless, reproducible stream of examples: the same seed gives the same stream."""
+        """A reproducible stream of examples: the same seed gives the same stream. Endless, or finite (a
+        run that draws past its end stops with a message naming the environment)."""
         raise NotImplementedError
 
     def eval_examples(self) -> Iterator[Example]:
@@ -241,81 +313,79 @@ class Environment:
     async def respond(self, messages: Messages, state: State, example: Example) -> Messages | None:
         """The environment's answer to the assistant's last message (`messages[-1]`), or None when the
         episode is over. `state` starts empty for each episode; keep in it what later turns and reward
-        functions need."""
+        functions need. An override may take a fourth parameter `turn`: the number of assistant answers so
+        far (1 after the first)."""
         return None
 
+    async def score(
+        self, completion: str, example: Example, state: State, messages: Messages, turns: int, is_truncated: bool
+    ) -> Score:
+        """The rubric's score of a finished episode."""
+        return await self.rubric.score(completion, example, state, messages, turns, is_truncated)
+
+    def deadline(self) -> float | None:
+        """When an episode started now must end (time.monotonic), or None without a time limit."""
+        return None if self.limits.time_limit is None else time.monotonic() + self.limits.time_limit
+
     async def rollout_group(self, example: Example, policy: Policy, group_size: int) -> list[Rollout]:
-        """Play `group_size` episodes of one example and score each. The first turn is one request for
-        `group_size` samples (the prompt is prefilled once); later turns go on independently."""
-        deadline = None if self.limits.time_limit is None else time.monotonic() + self.limits.time_limit
+        """Play `group_size` episodes of one example in tokens and score each. The first turn is one request
+        for `group_size` samples (the prompt is prefilled once); later turns go on independently."""
+        deadline = self.deadline()
         budget = min((b for b in (self.limits.max_tokens, policy.seq_len) if b is not None), default=None)
-        start = Episode(policy.tokenizer, example.prompt, self.tools)
-        completions = await _sample(policy, start.input_ids, group_size, budget, deadline)
-        if completions is None:  # no room left for a first answer (time limit or token budget)
-            return [await self._finish(start.copy(), example, {}, truncated=True) for _ in range(group_size)]
-        plays = [self._play(start.copy(), c, example, policy, budget, deadline) for c in completions]
-        return list(await asyncio.gather(*plays))
+        start = Episode(policy, example.prompt, self.tools, budget, deadline)
+        episodes = await start.first_answers(group_size)
+        if not episodes:  # no room left for a first answer (time limit or token budget)
+            return [await self.finish(start.copy(), example, {}, truncated=True) for _ in range(group_size)]
+        return list(await asyncio.gather(*(self.play(e, example, deadline) for e in episodes)))
 
-    async def _play(
-        self,
-        episode: Episode,
-        completion: Completion,
-        example: Example,
-        policy: Policy,
-        budget: int | None,
-        deadline: float | None,
-    ) -> Rollout:
+    async def play(self, conversation: Conversation, example: Example, deadline: float | None) -> Rollout:
+        """The episode loop, from the first answer on: `respond`, then the next answer, until `respond`
+        returns None or a limit (turns, tokens, time) is reached; then score it."""
         state: State = {}
+        takes_turn = "turn" in inspect.signature(self.respond).parameters
         while True:
-            episode.add_completion(completion)
+            turn = {"turn": conversation.turns} if takes_turn else {}
             try:
-                remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-                reply = await asyncio.wait_for(self.respond(episode.messages, state, example), remaining)
+                reply = await asyncio.wait_for(
+                    self.respond(conversation.messages, state, example, **turn), remaining_time(deadline)
+                )
             except TimeoutError:
-                return await self._finish(episode, example, state, truncated=True)
+                return await self.finish(conversation, example, state, truncated=True)
+            except AsyncRLError:
+                raise  # the run's own failures (an unreachable env-server) stop the run with one line
             except Exception as e:  # noqa: BLE001 - a failing environment marks the rollout, never the run
-                return await self._finish(episode, example, state, error=f"respond {type(e).__name__}: {e}")
+                return await self.finish(conversation, example, state, error=f"respond {type(e).__name__}: {e}")
             if reply is None:
-                cut = episode.finish_reason == "length"
-                return await self._finish(episode, example, state, truncated=cut)
-            if episode.turns >= self.limits.max_turns or not episode.add_environment(reply, budget):
-                return await self._finish(episode, example, state, truncated=True)
-            sampled = await _sample(policy, episode.input_ids, 1, budget, deadline)
-            if sampled is None:
-                return await self._finish(episode, example, state, truncated=True)
-            completion = sampled[0]
+                return await self.finish(conversation, example, state, truncated=conversation.finish_reason == "length")
+            if conversation.turns >= self.limits.max_turns or not conversation.add_environment(copy.deepcopy(reply)):
+                return await self.finish(conversation, example, state, truncated=True)
+            if not await conversation.next_answer():
+                return await self.finish(conversation, example, state, truncated=True)
 
-    async def _finish(
-        self, episode: Episode, example: Example, state: State, truncated: bool = False, error: str | None = None
+    async def finish(
+        self,
+        conversation: Conversation,
+        example: Example,
+        state: State,
+        truncated: bool = False,
+        error: str | None = None,
     ) -> Rollout:
-        last = episode.messages[-1]
-        text = last["content"] if last["role"] == "assistant" else ""
-        score = await self.rubric.score(text, example, state) if error is None else None
+        answers = [m for m in conversation.messages[len(example.prompt) :] if m["role"] == "assistant"]
+        text = (answers[-1].get("content") or "") if answers else ""
+        score = None
+        if error is None:
+            score = await self.score(text, example, state, conversation.messages, conversation.turns, truncated)
         return Rollout(
             example=example,
-            samples=episode.samples,
-            messages=episode.messages,
-            policy_versions=episode.policy_versions,
+            samples=conversation.samples,
+            messages=conversation.messages,
+            policy_versions=conversation.policy_versions,
             completion_text=text,
-            finish_reason=episode.finish_reason,
-            turns=episode.turns,
+            finish_reason=conversation.finish_reason,
+            turns=conversation.turns,
             is_truncated=truncated,
             state=state,
             reward=score.reward if score else 0.0,
             metrics=score.metrics if score else {},
             error=score.error if score else error,
         )
-
-
-async def _sample(
-    policy: Policy, prompt_ids: list[int], n: int, budget: int | None, deadline: float | None
-) -> list[Completion] | None:
-    """`n` completions within the token budget and the time limit; None when neither leaves room."""
-    max_tokens = policy.max_tokens if budget is None else min(policy.max_tokens, budget - len(prompt_ids))
-    remaining = None if deadline is None else deadline - time.monotonic()
-    if max_tokens < 1 or (remaining is not None and remaining <= 0):
-        return None
-    try:
-        return await asyncio.wait_for(policy.generate(prompt_ids, n, max_tokens), remaining)
-    except TimeoutError:
-        return None

@@ -52,6 +52,7 @@ class EvalSample:
     is_truncated: bool
     completion_tokens: int | None  # None over the chat route, which returns no per-sample token counts
     policy_version: int | None  # oldest policy version among the sampled tokens (token route only)
+    messages: list[dict]  # the whole conversation: the prompt, every answer and every environment message
 
 
 def summarize(samples: Sequence[EvalSample], n: int, ks: Sequence[int]) -> dict[str, float]:

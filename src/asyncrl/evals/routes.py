@@ -3,8 +3,8 @@
 - `TokenRoute`: `/v1/generate`, exactly the rollout training runs (`Environment.rollout_group`, token-in/
   token-out). Needs the model's tokenizer locally; `asyncrl inference` serves this route.
 - `ChatRoute`: `/v1/chat/completions`, for any OpenAI-compatible server (vLLM, hosted APIs). The server
-  applies its chat template; the episode is the same loop in messages: the model answers, the
-  environment's `respond` answers back, until it returns None or `max_turns` is reached.
+  applies its chat template; the environment's episode loop (`Environment.play`) runs over a conversation
+  kept in messages (`ChatConversation`) instead of tokens.
 """
 
 from __future__ import annotations
@@ -17,16 +17,33 @@ from typing import Any
 import httpx
 
 from asyncrl.config.schema import SamplingConfig
-from asyncrl.environments.base import Environment, Example, Rollout
+from asyncrl.environments.base import Environment, Example, Messages, Rollout, remaining_time
 from asyncrl.errors import AsyncRLError
 from asyncrl.evals.metrics import EvalSample, passes
 from asyncrl.orchestrator.client import ServedPolicy
 
 
-def _sample(label: str, index: int, example: Example, threshold: float, **fields: Any) -> EvalSample:
-    passed = passes(fields["reward"], fields["error"], threshold)
-    prompt = example.prompt[-1]["content"] if example.prompt else ""
-    return EvalSample(env=label, example=index, prompt=prompt, answer=example.answer, passed=passed, **fields)
+def eval_sample(label: str, index: int, sample: int, rollout: Rollout, threshold: float) -> EvalSample:
+    """One rollout as a line of results.jsonl; token counts and policy versions exist over the token route only."""
+    example = rollout.example
+    return EvalSample(
+        env=label,
+        example=index,
+        sample=sample,
+        prompt=example.prompt[-1]["content"] if example.prompt else "",
+        answer=example.answer,
+        completion=rollout.completion_text,
+        reward=rollout.reward,
+        passed=passes(rollout.reward, rollout.error, threshold),
+        metrics=rollout.metrics,
+        error=rollout.error,
+        finish_reason=rollout.finish_reason,
+        turns=rollout.turns,
+        is_truncated=rollout.is_truncated,
+        completion_tokens=rollout.num_completion_tokens if rollout.samples else None,
+        policy_version=rollout.min_policy_version if rollout.policy_versions else None,
+        messages=rollout.messages,
+    )
 
 
 class TokenRoute:
@@ -39,25 +56,7 @@ class TokenRoute:
         self, env: Environment, label: str, index: int, example: Example, n: int, threshold: float
     ) -> list[EvalSample]:
         rollouts: list[Rollout] = await env.rollout_group(example, self.policy, n)
-        return [
-            _sample(
-                label,
-                index,
-                example,
-                threshold,
-                sample=j,
-                completion=r.completion_text,
-                reward=r.reward,
-                metrics=r.metrics,
-                error=r.error,
-                finish_reason=r.finish_reason,
-                turns=r.turns,
-                is_truncated=r.is_truncated,
-                completion_tokens=r.num_completion_tokens,
-                policy_version=r.min_policy_version if r.policy_versions else None,
-            )
-            for j, r in enumerate(rollouts)
-        ]
+        return [eval_sample(label, index, j, rollout, threshold) for j, rollout in enumerate(rollouts)]
 
 
 class RequestRefused(AsyncRLError):
@@ -135,8 +134,45 @@ class OpenAIServer:
         return [(c["message"].get("content") or "", c.get("finish_reason") or "") for c in choices]
 
 
+class ChatConversation:
+    """One episode over `/v1/chat/completions`, in messages: the `Conversation` the episode loop plays when
+    the server applies its own chat template. No tokens come back, so the rollout has no token samples."""
+
+    def __init__(self, route: ChatRoute, env: Environment, messages: Messages, deadline: float | None):
+        self.route = route
+        self.tools = env.tools
+        self.deadline = deadline
+        self.messages = messages
+        self.turns = 0
+        self.finish_reason = ""
+        self.samples: list = []
+        self.policy_versions: list[int] = []
+
+    def add_answer(self, text: str, finish_reason: str) -> None:
+        self.messages.append({"role": "assistant", "content": text})
+        self.turns += 1
+        self.finish_reason = finish_reason
+
+    def add_environment(self, new_messages: Messages) -> bool:
+        self.messages += new_messages  # the server bounds the context: a refused request ends the episode
+        return True
+
+    async def next_answer(self) -> bool:
+        remaining = remaining_time(self.deadline)
+        if remaining is not None and remaining <= 0:
+            return False
+        try:
+            [(text, finish)] = await asyncio.wait_for(
+                self.route.server.chat(self.messages, 1, self.route.sampling, self.tools), remaining
+            )
+        except (TimeoutError, RequestRefused):  # the time limit, or a conversation longer than the context
+            return False
+        self.add_answer(text, finish)
+        return True
+
+
 class ChatRoute:
-    """Episodes over `/v1/chat/completions`: the environment's turn loop in messages."""
+    """Episodes over `/v1/chat/completions`: the environment's episode loop (`Environment.play`) in messages."""
 
     def __init__(self, server: OpenAIServer, sampling: SamplingConfig):
         self.server = server
@@ -150,46 +186,10 @@ class ChatRoute:
                 f"environment '{label}' plays its own episodes (it overrides rollout_group): evaluate it over the "
                 "token route (api = 'generate', against asyncrl inference)"
             )
+        deadline = env.deadline()
         first = await self.server.chat(example.prompt, n, self.sampling, env.tools)
-        episodes = [self._episode(env, example, text, finish) for text, finish in first]
-        return [
-            _sample(label, index, example, threshold, sample=j, **fields)
-            for j, fields in enumerate(await asyncio.gather(*episodes))
-        ]
-
-    async def _episode(self, env: Environment, example: Example, text: str, finish: str) -> dict[str, Any]:
-        messages = [*copy.deepcopy(example.prompt), {"role": "assistant", "content": text}]
-        state: dict[str, Any] = {}
-        turns, truncated, error = 1, False, None
-        try:
-            async with asyncio.timeout(env.limits.time_limit):
-                while True:
-                    reply = await env.respond(messages, state, example)
-                    if reply is None or turns >= env.limits.max_turns:
-                        truncated = reply is not None or finish == "length"
-                        break
-                    reply = copy.deepcopy(reply)
-                    [(text, finish)] = await self.server.chat([*messages, *reply], 1, self.sampling, env.tools)
-                    messages += [*reply, {"role": "assistant", "content": text}]
-                    turns += 1
-        except (TimeoutError, RequestRefused):  # the time limit, or a conversation longer than the context
-            truncated = True
-        except AsyncRLError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a failing environment marks the rollout, never the eval
-            error = f"respond {type(e).__name__}: {e}"
-        reward, metrics = 0.0, {}  # `text`: the last assistant message, as over the token route
-        if error is None:
-            score = await env.rubric.score(text, example, state)
-            reward, metrics, error = score.reward, score.metrics, score.error
-        return {
-            "completion": text,
-            "reward": reward,
-            "metrics": metrics,
-            "error": error,
-            "finish_reason": finish,
-            "turns": turns,
-            "is_truncated": truncated,
-            "completion_tokens": None,
-            "policy_version": None,
-        }
+        conversations = [ChatConversation(self, env, copy.deepcopy(example.prompt), deadline) for _ in first]
+        for conversation, (text, finish) in zip(conversations, first):
+            conversation.add_answer(text, finish)
+        rollouts = await asyncio.gather(*(env.play(c, example, deadline) for c in conversations))
+        return [eval_sample(label, index, j, rollout, threshold) for j, rollout in enumerate(rollouts)]

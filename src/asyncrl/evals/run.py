@@ -1,7 +1,8 @@
 """`asyncrl eval`: environments' held-out examples against a served model, scored as avg@n and pass@k.
 
 Writes `<output_dir>/results.jsonl` (one line per rollout), `<output_dir>/summary.json`, and prints the
-summary as a table. The server is started separately: `asyncrl inference`, vLLM, or any OpenAI API.
+summary as a table. The server is `inference_url` (`asyncrl inference`, vLLM, or any OpenAI API), or, when
+that is unset, an `asyncrl inference` process started here for `model.name` and stopped afterwards.
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -20,6 +24,7 @@ from rich.table import Table
 from asyncrl.config.schema import EvalConfig, EvalEnvironmentConfig, EvalSuiteConfig
 from asyncrl.environments import load_environment
 from asyncrl.environments.base import Environment
+from asyncrl.errors import AsyncRLError
 from asyncrl.evals.metrics import EvalSample, summarize
 from asyncrl.evals.routes import ChatRoute, OpenAIServer, TokenRoute
 from asyncrl.metrics import JsonlWriter
@@ -45,9 +50,44 @@ async def evaluate(
     return [s for group in groups for s in group]
 
 
-async def _run(cfg: EvalConfig) -> dict:
+@contextmanager
+def inference_server(cfg: EvalConfig) -> Iterator[str]:
+    """The URL of the server to evaluate: `inference_url`, or an `asyncrl inference` process for `model.name`
+    started on a free loopback port (log: output_dir/inference.log) and stopped when the eval ends."""
+    if cfg.inference_url is not None:
+        yield cfg.inference_url
+        return
+    from asyncrl.launcher import ChildFailed, free_port, start, stop, wait_healthy
+    from asyncrl.loading import check_model_name
+
+    check_model_name(cfg.model.name)
+    port = free_port()
+    threads = cfg.server.num_threads or max(1, (os.cpu_count() or 1) // 2)
+    argv = [sys.executable, "-m", "asyncrl", "inference", "--model.name", cfg.model.name, "--port", str(port),
+            "--seq-len", str(cfg.server.seq_len), "--device", cfg.server.device, "--num-threads", str(threads),
+            "--seed", "0", *cfg.server.args]  # fmt: skip
+    log = Path(cfg.output_dir) / "inference.log"
+    log.unlink(missing_ok=True)
+    child = start("inference", argv, log, {**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        print(f"eval: starting asyncrl inference for {cfg.model.name} on {url} (log: {log})", flush=True)
+        try:
+            wait_healthy(child, url, cfg.server.startup_timeout)
+        except ChildFailed:
+            last = child.tail(5).splitlines()[-1:] or ["no output"]
+            raise AsyncRLError(
+                f"the inference server for {cfg.model.name} exited with code {child.process.returncode}: "
+                f"{last[0]} (see {log})"
+            ) from None
+        yield url
+    finally:
+        stop([child])
+
+
+async def _run(cfg: EvalConfig, url: str) -> dict:
     envs = load_eval_environments(cfg.environments)
-    server = OpenAIServer(cfg.inference_url, cfg.model.name, cfg.request_timeout)
+    server = OpenAIServer(url, cfg.model.name, cfg.request_timeout)
     client = None
     try:
         max_model_len = await server.wait_ready(cfg.wait_timeout)
@@ -58,7 +98,7 @@ async def _run(cfg: EvalConfig) -> dict:
             from asyncrl.loading import load_tokenizer
             from asyncrl.orchestrator.client import InferenceClient, ServedPolicy
 
-            client = InferenceClient(cfg.inference_url, None, cfg.request_timeout)
+            client = InferenceClient(url, None, cfg.request_timeout)
             route = TokenRoute(ServedPolicy(client, load_tokenizer(cfg.model.name), cfg.sampling, max_model_len))
         else:
             route = ChatRoute(server, cfg.sampling)
@@ -80,7 +120,7 @@ async def _run(cfg: EvalConfig) -> dict:
             await client.close()
     summary = {
         "model": cfg.model.name,
-        "inference_url": cfg.inference_url,
+        "inference_url": cfg.inference_url,  # None: a server started for this eval
         "api": api,
         "samples_per_example": cfg.samples_per_example,
         "pass_at": cfg.pass_ks,
@@ -109,7 +149,9 @@ def summary_table(summary: dict) -> Table:
 
 
 def run_eval(cfg: EvalConfig) -> int:
-    summary = asyncio.run(_run(cfg))
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    with inference_server(cfg) as url:
+        summary = asyncio.run(_run(cfg, url))
     console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
     console.print(summary_table(summary))
     seconds = sum(s["seconds"] for s in summary["environments"].values())

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from asyncrl.environments.base import Environment, Example
+from asyncrl.errors import AsyncRLError
 
 
 class EnvironmentSampler:
@@ -34,9 +35,19 @@ class EnvironmentSampler:
         drawn = []
         for _ in range(groups):
             label = self.next_label()
-            drawn.append((label, next(self.streams[label])))
+            drawn.append((label, self._next(label)))
             self.drawn[label] += 1
         return drawn
+
+    def _next(self, label: str) -> Example:
+        example = next(self.streams[label], None)
+        if example is None:  # a finite stream (a file read once): say so, rather than end the run mid-batch
+            raise AsyncRLError(
+                f"environment '{label}' ran out of examples after {self.drawn[label]} (its examples() stream "
+                "ended); give it more epochs (the dataset environment: args.epochs, unset for endless), or lower "
+                "max_steps"
+            )
+        return example
 
     def state_dict(self) -> dict:
         return {"drawn": dict(self.drawn)}
@@ -52,5 +63,5 @@ class EnvironmentSampler:
             if count < self.drawn[label]:
                 raise ValueError(f"environment '{label}' is already past example {count}")
             for _ in range(count - self.drawn[label]):
-                next(self.streams[label])
-            self.drawn[label] = count
+                self._next(label)
+                self.drawn[label] += 1

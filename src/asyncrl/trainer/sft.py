@@ -1,11 +1,13 @@
-"""`asyncrl sft`: supervised fine-tuning on an environment's reference answers, loss on assistant tokens.
+"""`asyncrl sft`: supervised fine-tuning on chat data (files, a Hugging Face dataset, or an environment's
+reference answers; `sft_data.py`), loss on assistant tokens.
 
-    for step n = 1, 2, ...:
-        take batch_size examples → this rank's share → chat template → pack into rows of seq_len
+    for step n = 1, 2, ... (max_steps, or fewer when the data's epochs end first):
+        take batch_size conversations → this rank's share → chat template → pack into rows of seq_len
         for each row: forward → -log p(assistant tokens) / N → backward      (N: assistant tokens, all ranks)
         clip → AdamW step → log
         every eval.interval steps: -log p of the held-out examples' answers → eval/loss
         every ckpt.interval steps: checkpoint (model, optimizer, step, generators, examples drawn)
+        every save_interval steps: a Hugging Face model in output_dir/weights/step_n
     save a complete Hugging Face model to output_dir/final (with LoRA: the adapter merged into the base)
 
 Same model, FSDP2 and optimizer code as the RL trainer, so `asyncrl rl` starts from `final/` directly.
@@ -13,19 +15,17 @@ Same model, FSDP2 and optimizer code as the RL trainer, so `asyncrl rl` starts f
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl import checkpoints
 from asyncrl.config.schema import SFTConfig
-from asyncrl.environments import load_environment
-from asyncrl.environments.base import Example, Messages
+from asyncrl.environments.base import Messages
 from asyncrl.errors import AsyncRLError
 from asyncrl.loading import load_tokenizer
 from asyncrl.metrics import MetricsLogger
@@ -43,6 +43,7 @@ from asyncrl.trainer.model import (
     setup_model,
 )
 from asyncrl.trainer.schedule import learning_rate
+from asyncrl.trainer.sft_data import Chat, load_sft_data
 from asyncrl.transport.weights import save_model_folder
 
 END_OF_TURN = "<|im_end|>"
@@ -61,25 +62,43 @@ class PackedRow:
     loss_mask: torch.Tensor
 
 
-def tokenize_sft(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> SFTSample:
-    """Chat-template a conversation that ends with the assistant's answer; mask everything but the answer.
+def tokenize_sft(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Messages,
+    tools: list[dict] | None = None,
+    loss_on: str = "all_assistant",
+) -> SFTSample:
+    """Chat-template a conversation; the loss mask covers the assistant's turns (every one, or the last) and
+    nothing else.
 
-    The answer's tokens are what the full conversation adds to the prompt rendered with the generation
-    prompt, up to and including the end-of-turn token (what the policy must learn to emit to stop).
+    An assistant turn's tokens are what rendering the conversation through that turn adds to the rendering
+    of the conversation before it with the generation prompt, up to and including the end-of-turn token (what
+    the policy must learn to emit to stop). Its tool calls are part of it, as the template writes them.
     """
-    full = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
-    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=True, return_dict=False, add_generation_prompt=True)
-    if full[: len(prompt)] != prompt:
-        raise AsyncRLError(
-            "the chat template renders the prompt differently with and without the answer, so the answer's "
-            "tokens cannot be found (use a model whose chat template appends each message unchanged)"
+
+    def render(part: Messages, add_generation_prompt: bool = False) -> list[int]:
+        return tokenizer.apply_chat_template(
+            part, tools=tools, tokenize=True, return_dict=False, add_generation_prompt=add_generation_prompt
         )
+
+    full = render(messages)
     end = tokenizer.convert_tokens_to_ids(END_OF_TURN)
     if end is None or end == tokenizer.unk_token_id:
         end = tokenizer.eos_token_id
-    answer = full[len(prompt) :]
-    answer_length = answer.index(end) + 1 if end in answer else len(answer)
-    mask = [False] * len(prompt) + [True] * answer_length + [False] * (len(answer) - answer_length)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    mask = [False] * len(full)
+    for i in turns[-1:] if loss_on == "last_assistant" else turns:
+        prompt = render(messages[:i], add_generation_prompt=True)
+        through = render(messages[: i + 1])
+        if through[: len(prompt)] != prompt or full[: len(through)] != through:
+            raise AsyncRLError(
+                f"the chat template renders the conversation before assistant turn {turns.index(i) + 1} differently "
+                "once that turn is added, so the turn's tokens cannot be found (train on the last turn only: "
+                "data.loss_on = 'last_assistant', or use a model whose chat template appends each message unchanged)"
+            )
+        answer = through[len(prompt) :]
+        length = answer.index(end) + 1 if end in answer else len(answer)
+        mask[len(prompt) : len(prompt) + length] = [True] * length
     return SFTSample(full, mask)
 
 
@@ -110,27 +129,19 @@ def padding_row(pad_token_id: int) -> PackedRow:
 
 
 def rank_rows(
-    examples: list[Example], tokenizer: PreTrainedTokenizerBase, seq_len: int, world: World, pad_token_id: int
+    chats: list[Chat],
+    tokenizer: PreTrainedTokenizerBase,
+    seq_len: int,
+    world: World,
+    pad_token_id: int,
+    loss_on: str = "all_assistant",
 ) -> list[PackedRow]:
-    """This rank's share of `examples`, chat-templated and packed, padded with empty rows to the most rows any
+    """This rank's share of `chats`, chat-templated and packed, padded with empty rows to the most rows any
     rank has (FSDP needs the same number of forward passes on every rank)."""
-    samples = [tokenize_sft(tokenizer, ex.sft_messages()) for ex in examples[world.rank :: world.world_size]]
+    mine = chats[world.rank :: world.world_size]
+    samples = [tokenize_sft(tokenizer, chat.messages, chat.tools, loss_on) for chat in mine]
     rows = pack_samples(samples, seq_len)
     return rows + [padding_row(pad_token_id)] * (max_over_ranks(len(rows), world.device) - len(rows))
-
-
-def split_held_out(examples: Iterator[Example], size: int) -> tuple[list[Example], Iterator[Example]]:
-    """The eval split is the stream's first `size` examples. Training draws the rest, skipping any example
-    equal to a held-out one (generated data repeats itself), so the two never share an example."""
-    held_out = list(islice(examples, size))
-    if not held_out:
-        return [], examples
-    seen = {_identity(example) for example in held_out}
-    return held_out, (example for example in examples if _identity(example) not in seen)
-
-
-def _identity(example: Example) -> str:
-    return json.dumps(example.sft_messages(), sort_keys=True)
 
 
 @torch.no_grad()
@@ -147,6 +158,15 @@ def eval_loss(model: torch.nn.Module, rows: list[PackedRow], device: torch.devic
     return nll / max(tokens, 1.0)
 
 
+def save_model(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, folder: Path, world: World) -> None:
+    """A complete Hugging Face model folder (with LoRA: the base model with the adapter merged in).
+    Collectives: every rank takes part."""
+    state_dict = merged_state_dict(model) if is_lora(model) else full_state_dict(model)
+    if world.is_main:
+        saved = save_model_folder(folder, state_dict, model.config, tokenizer, model.generation_config)
+        print(f"sft: saved {saved}", flush=True)
+
+
 def train_sft(cfg: SFTConfig) -> int:
     world = init_distributed(cfg.device, cfg.num_threads, cfg.seed)
     try:
@@ -154,11 +174,15 @@ def train_sft(cfg: SFTConfig) -> int:
         model = setup_model(cfg.model, world.device, cfg.perf)
         model = parallelize(model, world.world_size, world.device, cfg.model.dtype, cfg.perf)
         optimizer = make_optimizer(model, cfg.optim)
-        environment = load_environment(cfg.data.environment.name, **cfg.data.environment.args)
-        # Endless; every rank draws the same stream. The held-out split is its first examples.
-        held_out, examples = split_held_out(environment.examples(cfg.seed), cfg.eval.size)
+        # Every rank draws the same stream. The held-out split is its first examples.
+        data = load_sft_data(cfg.data, cfg.seed, cfg.eval.size)
+        examples = data.training
+        max_steps = data.steps(cfg.data.batch_size, cfg.max_steps)
         pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        eval_rows = rank_rows(held_out, tokenizer, cfg.seq_len, world, pad_token_id) if held_out else []
+        loss_on = cfg.data.loss_on
+        eval_rows = (
+            rank_rows(data.held_out, tokenizer, cfg.seq_len, world, pad_token_id, loss_on) if data.held_out else []
+        )
         progress = TrainerProgress(step=0)
         if cfg.resume is not None:
             progress = checkpoint.resume(
@@ -175,23 +199,32 @@ def train_sft(cfg: SFTConfig) -> int:
             )
         logger = MetricsLogger(cfg.output_dir, "sft") if world.is_main else None
         if world.is_main:
+            shorter = f" (the data lasts {max_steps} of max_steps {cfg.max_steps})" if max_steps < cfg.max_steps else ""
             print(
-                f"sft: {world.world_size} rank(s) on {world.device}, model {cfg.model.name}, "
-                f"{cfg.data.environment.name} data, {cfg.max_steps} steps",
+                f"sft: {world.world_size} rank(s) on {world.device}, model {cfg.model.name}, {data.source}, "
+                f"{max_steps} steps{shorter}",
                 flush=True,
             )
 
-        for step in range(progress.step + 1, cfg.max_steps + 1):
+        for step in range(progress.step + 1, max_steps + 1):
             step_start = time.time()
             batch = list(islice(examples, cfg.data.batch_size))
+            if not batch:  # a finite environment stream, shorter than max_steps: end here, saying so
+                if world.is_main:
+                    print(
+                        f"sft: the data ran out after {progress.examples_drawn} examples ({cfg.data.epochs} "
+                        f"epoch(s)): stopping at step {step - 1} of {max_steps} (raise data.epochs to train longer)",
+                        flush=True,
+                    )
+                break
             progress = TrainerProgress(step, progress.examples_drawn + len(batch))
-            rows = rank_rows(batch, tokenizer, cfg.seq_len, world, pad_token_id)
+            rows = rank_rows(batch, tokenizer, cfg.seq_len, world, pad_token_id, loss_on)
 
             local = torch.tensor(
                 [sum(int(r.loss_mask.sum()) for r in rows), sum(r.input_ids.numel() for r in rows)], device=world.device
             )
             answer_tokens, total_tokens = (int(v) for v in all_reduce_sum(local))
-            lr = set_learning_rate(optimizer, learning_rate(step, cfg.optim, cfg.max_steps))
+            lr = set_learning_rate(optimizer, learning_rate(step, cfg.optim, max_steps))
             loss_sum = torch.zeros((), device=world.device)
             for row in rows:
                 input_ids, mask = row.input_ids.to(world.device), row.loss_mask.to(world.device)
@@ -216,7 +249,7 @@ def train_sft(cfg: SFTConfig) -> int:
             if step % cfg.log_interval == 0:
                 tokens_per_s = total_tokens / max(time.time() - step_start, 1e-9)
                 metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "perf/tokens_per_s": tokens_per_s}
-            if eval_rows and (step % cfg.eval.interval == 0 or step == cfg.max_steps):
+            if eval_rows and (step % cfg.eval.interval == 0 or step == max_steps):
                 metrics["eval/loss"] = eval_loss(model, eval_rows, world.device, cfg.perf.logprob_chunk_size)
             if world.is_main and metrics:
                 logger.log(step, metrics)
@@ -225,14 +258,10 @@ def train_sft(cfg: SFTConfig) -> int:
                 checkpoint.save(cfg.output_dir, progress, model, optimizer, world)
                 if world.is_main:
                     checkpoints.prune(cfg.output_dir, checkpoints.SFT_PARTS, cfg.ckpt.keep_last)
+            if cfg.save_interval and step % cfg.save_interval == 0 and step < max_steps:
+                save_model(model, tokenizer, cfg.output_dir / "weights" / f"step_{step}", world)
 
-        # Collectives: every rank takes part. With LoRA the result is the base model with the adapter merged in.
-        state_dict = merged_state_dict(model) if is_lora(model) else full_state_dict(model)
-        if world.is_main:
-            final = save_model_folder(
-                cfg.output_dir / "final", state_dict, model.config, tokenizer, model.generation_config
-            )
-            print(f"sft: saved {final}", flush=True)
+        save_model(model, tokenizer, cfg.output_dir / "final", world)
         return 0
     finally:
         close_distributed()
