@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from asyncrl.config.schema import OrchestratorConfig
-from asyncrl.environments import load_environment
+from asyncrl.environments import environment_from_config
 from asyncrl.environments.base import Environment
 from asyncrl.errors import AsyncRLError
 from asyncrl.evals.online import OnlineEvals
@@ -40,7 +40,8 @@ from asyncrl.transport import weights
 
 
 def load_environments(cfg: OrchestratorConfig) -> dict[str, Environment]:
-    return {label: load_environment(env.name or label, **env.args) for label, env in cfg.environments.items()}
+    """The run's environments by label: in this process, or served by env-servers (docs/environments.md)."""
+    return {label: environment_from_config(label, env) for label, env in cfg.environments.items()}
 
 
 async def next_batch(
