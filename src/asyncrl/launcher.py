@@ -63,10 +63,14 @@ def resolve(cfg: RLConfig) -> tuple[list[InferenceConfig], OrchestratorConfig, T
         replica.port = free_port(replica.host) if cfg.inference.port == 0 else cfg.inference.port + i
         replicas.append(replica)
     orchestrator.inference_urls = [f"http://{r.host}:{r.port}" for r in replicas]
-    if cfg.inference.weight_transfer.mode == "broadcast" and cfg.inference.weight_transfer.port == 0:
-        port = free_port(cfg.inference.weight_transfer.host)  # one port for the pair: the trainer joins inference
+    if cfg.inference.weight_transfer.mode == "broadcast":
+        # One group: trainer rank 0 hosts it on one port, replica i joins as member i + 1.
+        port = cfg.inference.weight_transfer.port or free_port(cfg.inference.weight_transfer.host)
         for section in (*replicas, orchestrator, trainer):
             section.weight_transfer.port = port
+            section.weight_transfer.receivers = len(replicas)
+        for i, replica in enumerate(replicas):
+            replica.weight_transfer.rank = i + 1
     orchestrator.num_trainer_ranks = dep.trainer_ranks
     trainer.num_threads = dep.trainer_threads or max(1, (cores - inference_threads) // dep.trainer_ranks)
     return replicas, orchestrator, trainer

@@ -18,8 +18,8 @@ from asyncrl.environments import load_environment
 from asyncrl.environments.base import Completion, Rollout
 from asyncrl.loading import load_tokenizer
 from asyncrl.models import init_model
-from asyncrl.orchestrator.client import InferenceClient, ServedPolicy
 from asyncrl.orchestrator.batch import BatchCutter, batch_metrics
+from asyncrl.orchestrator.client import InferenceClient, ServedPolicy
 from asyncrl.orchestrator.dispatcher import Dispatcher
 from asyncrl.orchestrator.loop import load_environments, next_batch
 from asyncrl.orchestrator.notify import Notifier

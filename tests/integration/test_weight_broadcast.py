@@ -1,10 +1,12 @@
-"""Weight broadcast between two real processes over loopback (gloo on CPU: the same code as nccl on GPUs):
-state dicts arrive whole, the receiver keeps the newest version, a missing peer is a clear timeout, and a
-real `asyncrl rl` run serves each version it receives."""
+"""Weight broadcast between real processes over loopback (gloo on CPU: the same code as nccl on GPUs):
+trainer rank 0 and every inference server in one group, state dicts arrive whole at each server, a receiver
+keeps the newest version, a missing peer is a clear timeout, and real `asyncrl rl` runs serve each version
+they receive, with one server and with two."""
 
 from __future__ import annotations
 
 import inspect
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +17,7 @@ from rl_runs import by_source, policy_kl, run_rl  # tests/integration, on sys.pa
 from safetensors.torch import save_file
 
 from asyncrl.config.schema import WeightTransferConfig
+from asyncrl.errors import AsyncRLError
 from asyncrl.models import init_model
 from asyncrl.transport import weights
 from asyncrl.transport.broadcast import WeightReceiver, WeightSender
@@ -46,10 +49,12 @@ def adapter() -> dict[str, torch.Tensor]:
 SENDER = f"""
 import sys, torch
 from asyncrl.config.schema import WeightTransferConfig
+from asyncrl.errors import AsyncRLError
 from asyncrl.transport.broadcast import WeightSender
 {inspect.getsource(state_dict)}
 {inspect.getsource(adapter)}
-sender = WeightSender(WeightTransferConfig(mode="broadcast", port=int(sys.argv[1]), timeout=60), torch.device("cpu"))
+transfer = WeightTransferConfig(mode="broadcast", port=int(sys.argv[1]), receivers=int(sys.argv[3]), timeout=60)
+sender = WeightSender(transfer, torch.device("cpu"))
 for version in (1, 2, 3):
     sender.send(state_dict(version), version)
 sys.stdin.readline()  # then, when told: the adapter, of the base model in folder argv[2]
@@ -57,65 +62,99 @@ sender.send(adapter(), 4, {{"r": 1, "lora_alpha": 2.0, "base_model_name_or_path"
 """
 
 
-def test_receiver_keeps_the_newest_version_whole_and_merges_adapters(tmp_path):
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def receiver_config(port: int, rank: int = 1, receivers: int = 1, timeout: float = 60) -> WeightTransferConfig:
+    return WeightTransferConfig(mode="broadcast", port=port, rank=rank, receivers=receivers, timeout=timeout)
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_every_receiver_keeps_the_newest_version_whole_and_merges_adapters(tmp_path, servers):
     save_file({"layer.weight": torch.ones(3, 2), "norm.weight": torch.zeros(2)}, tmp_path / "model.safetensors")
-    receiver = WeightReceiver(WeightTransferConfig(mode="broadcast", port=0, timeout=60), torch.device("cpu"))
+    port = free_port()
+    # The servers start first, as under `asyncrl rl`: they wait for trainer rank 0 to open the group.
+    receivers = [
+        WeightReceiver(receiver_config(port, rank, servers), torch.device("cpu")) for rank in range(1, servers + 1)
+    ]
     sender = subprocess.Popen(
-        [sys.executable, "-c", SENDER, str(receiver.port), str(tmp_path)], stdin=subprocess.PIPE, stderr=subprocess.PIPE
+        [sys.executable, "-c", SENDER, str(port), str(tmp_path), str(servers)],
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     try:
-        received, version = receiver.take(3, timeout=120)
-        assert version == 3
-        expected = state_dict(3)
-        assert list(received) == list(expected)
-        for name, tensor in expected.items():
-            assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
-        # An older version asked for: the newest one is what the receiver has.
-        assert receiver.take(1, timeout=1)[1] == 3
+        for receiver in receivers:
+            received, version = receiver.take(3, timeout=120)
+            assert version == 3
+            expected = state_dict(3)
+            assert list(received) == list(expected)
+            for name, tensor in expected.items():
+                assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+            # An older version asked for: the newest one is what the receiver has.
+            assert receiver.take(1, timeout=1)[1] == 3
         with pytest.raises(PeerTimeout, match="version 4 did not arrive from trainer rank 0 within 2s"):
-            receiver.take(4, timeout=2)
+            receivers[0].take(4, timeout=2)
 
         sender.communicate(b"go\n", timeout=60)
         assert sender.returncode == 0, sender.stderr
-        received, version = receiver.take(4, timeout=60)
-        assert version == 4 and sorted(received) == ["layer.weight", "norm.weight"]
-        # W + (alpha / r) * B @ A
-        expected = torch.ones(3, 2) + 2.0 * torch.tensor([[1.0, 2.0], [0.0, 0.0], [-1.0, -2.0]])
-        torch.testing.assert_close(received["layer.weight"], expected)
+        for receiver in receivers:
+            received, version = receiver.take(4, timeout=60)
+            assert version == 4 and sorted(received) == ["layer.weight", "norm.weight"]
+            # W + (alpha / r) * B @ A
+            expected = torch.ones(3, 2) + 2.0 * torch.tensor([[1.0, 2.0], [0.0, 0.0], [-1.0, -2.0]])
+            torch.testing.assert_close(received["layer.weight"], expected)
     finally:
         sender.kill()
-        receiver.stop()
+        for receiver in receivers:
+            receiver.stop()
 
 
 def test_missing_trainer_times_out_naming_it():
-    receiver = WeightReceiver(WeightTransferConfig(mode="broadcast", port=0, timeout=1), torch.device("cpu"))
+    port = free_port()  # nobody listens there
+    receiver = WeightReceiver(receiver_config(port, timeout=1), torch.device("cpu"))
     start = time.monotonic()
-    with pytest.raises(PeerTimeout, match=r"trainer rank 0 did not join at 127\.0\.0\.1:\d+ within 1s"):
+    with pytest.raises(PeerTimeout, match=rf"trainer rank 0 did not open the group at 127\.0\.0\.1:{port} within 1s"):
         receiver.take(1, timeout=60)
     assert time.monotonic() - start < 30
     receiver.stop()
 
 
 def test_missing_inference_server_times_out_naming_it():
-    import socket
-
-    with socket.socket() as probe:  # a port nobody listens on
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     start = time.monotonic()
-    with pytest.raises(PeerTimeout, match=rf"could not reach the inference process at 127\.0\.0\.1:{port} within 1s"):
-        WeightSender(WeightTransferConfig(mode="broadcast", port=port, timeout=1), torch.device("cpu"))
+    with pytest.raises(PeerTimeout, match=rf"inference server 2 of 2 did not join at 127\.0\.0\.1:{port} within 1s"):
+        config = WeightTransferConfig(mode="broadcast", port=port, receivers=2, timeout=1)
+        receiver = WeightReceiver(receiver_config(port, 1, 2, timeout=30), torch.device("cpu"))
+        try:
+            WeightSender(config, torch.device("cpu"))
+        finally:
+            receiver.stop()
     assert time.monotonic() - start < 30
 
 
-def test_rl_run_with_broadcast_serves_each_new_version(tmp_path):
-    """A real `asyncrl rl`, lockstep: inference must serve version n - 1 for batch n, received by broadcast."""
+def test_a_server_with_no_place_in_the_group_is_refused():
+    with pytest.raises(
+        AsyncRLError, match=r"weight_transfer.rank = 3 is not one of the group's inference servers 1..2"
+    ):
+        WeightReceiver(receiver_config(free_port(), rank=3, receivers=2), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_rl_run_with_broadcast_serves_each_new_version(tmp_path, servers):
+    """A real `asyncrl rl`, lockstep: every server must serve version n - 1 for batch n, received by broadcast."""
     init_model(tmp_path / "base", "tiny")
-    result = run_rl(tmp_path / "base", tmp_path / "run", "--weight-transfer.mode", "broadcast")
+    result = run_rl(
+        tmp_path / "base", tmp_path / "run", "--weight-transfer.mode", "broadcast",
+        "--deployment.inference-replicas", str(servers),
+    )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     orchestrator, trainer = by_source(tmp_path / "run", "orchestrator"), by_source(tmp_path / "run", "trainer")
     assert [orchestrator[n]["policy_version"] for n in (1, 2, 3)] == [0, 1, 2]
-    assert "trainer rank 0 joined" in (tmp_path / "run" / "logs" / "inference.log").read_text()
+    for name in ["inference"] if servers == 1 else ["inference_0", "inference_1"]:
+        assert "trainer rank 0 joined" in (tmp_path / "run" / "logs" / f"{name}.log").read_text()
     # Versions 1 and 2 went by broadcast only; the last one is also written in full.
     for version in (1, 2):
         assert [p.name for p in weights.weights_dir(tmp_path / "run", version).iterdir()] == ["STABLE"]
@@ -150,15 +189,17 @@ def test_update_without_broadcast_needs_a_folder_with_weights(tmp_path, monkeypa
         engine.stop()
 
 
-def test_asyncrl_rl_gives_trainer_and_inference_one_free_broadcast_port():
+def test_asyncrl_rl_puts_trainer_and_every_server_in_one_group_on_a_free_port():
     from asyncrl.config import load
     from asyncrl.config.schema import RLConfig
     from asyncrl.launcher import resolve
 
-    cfg, _ = load(RLConfig, ["--weight-transfer.mode", "broadcast"])
-    inference, _, trainer = resolve(cfg)
-    assert trainer.weight_transfer.mode == inference.weight_transfer.mode == "broadcast"
-    assert trainer.weight_transfer.port == inference.weight_transfer.port != 0
+    cfg, _ = load(RLConfig, ["--weight-transfer.mode", "broadcast", "--deployment.inference-replicas", "3"])
+    replicas, _, trainer = resolve(cfg)
+    assert {r.weight_transfer.mode for r in replicas} == {trainer.weight_transfer.mode} == {"broadcast"}
+    assert {r.weight_transfer.port for r in replicas} == {trainer.weight_transfer.port} != {0}
+    assert [r.weight_transfer.rank for r in replicas] == [1, 2, 3]
+    assert {r.weight_transfer.receivers for r in replicas} == {trainer.weight_transfer.receivers} == {3}
 
 
 def test_broadcast_with_the_vllm_backend_is_refused_when_the_config_loads():

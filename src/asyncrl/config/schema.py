@@ -258,9 +258,15 @@ class WeightTransferConfig(Config):
         description="how new weights reach inference: weights/step_N folders, or a broadcast from trainer rank 0 "
         "(nccl on GPUs, gloo otherwise; docs/weights.md)",
     )
-    host: str = Field("127.0.0.1", description="broadcast: address of the inference process; the trainer joins there")
+    host: str = Field(
+        "127.0.0.1", description="broadcast: address of trainer rank 0, which hosts the group; the servers join there"
+    )
     port: int = Field(0, ge=0, le=65535, description="broadcast: its port; 0 under `asyncrl rl` picks a free one")
-    timeout: float = Field(600.0, gt=0, description="broadcast: seconds to wait for the peer to join or to transfer")
+    timeout: float = Field(600.0, gt=0, description="broadcast: seconds to wait for the peers to join or to transfer")
+    receivers: int = Field(1, ge=1, description="broadcast: inference servers in the group (set by `asyncrl rl`)")
+    rank: int = Field(
+        1, ge=1, description="broadcast: this server's place in the group, 1..receivers (set by `asyncrl rl`)"
+    )
 
 
 class InferenceConfig(Config):

@@ -3,8 +3,9 @@
 The eval of step n starts when the orchestrator starts waiting for batch n, on the weights the servers
 hold then, and runs alongside the training rollouts: its requests go to the least-loaded server of the
 pool and share its decoding batches instead of queueing behind them. It never holds a batch back, and its
-rollouts never enter one, so the off-policy accounting is untouched. An eval that is due while the
-previous one still runs is skipped (a line says so). Metrics go to metrics.jsonl with source orchestrator,
+rollouts never enter one, so the off-policy accounting is untouched. Evals run one after the other: one that
+is due while the previous one still runs starts when that one ends. The run ends once every eval that was
+due has ended. Metrics go to metrics.jsonl with source orchestrator,
 one line per eval, logged when it ends: `eval/<label>/avg@n`, `eval/<label>/pass@k`,
 `eval/<label>/errored`, `eval/<label>/truncated`, `eval/<label>/mean/<name>`, `eval/policy_version` (the
 oldest version among its tokens; weights may go live while it runs), `eval/time`.
@@ -29,7 +30,7 @@ class OnlineEvals:
     def __init__(self, cfg: OrchestratorConfig, policy: Policy, metrics: MetricsLogger):
         self.suite = cfg.eval
         self.metrics = metrics
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task | None = None  # the evals due so far, one after the other
         self.env_cfgs = self.suite.environments or {
             label: EvalEnvironmentConfig(name=env.name, args=env.args) for label, env in cfg.environments.items()
         }
@@ -37,18 +38,20 @@ class OnlineEvals:
         self.route = TokenRoute(policy)
 
     def start(self, step: int) -> None:
-        """Start the eval of `step` when one is due (steps 1, 1 + interval, ...)."""
+        """Start the eval of `step` when one is due (steps 1, 1 + interval, ...), after the one before it."""
         if not self.suite.interval or (step - 1) % self.suite.interval != 0:
             return
-        if self.task is not None and not self.task.done():
-            print(f"orchestrator: eval of step {step} skipped: the previous eval still runs", flush=True)
-            return
-        if self.task is not None:
+        if self.task is not None and self.task.done():
             self.task.result()  # an eval that failed stops the run here
-        self.task = asyncio.create_task(self._run(step))
+        self.task = asyncio.create_task(self._after(self.task, step))
+
+    async def _after(self, previous: asyncio.Task | None, step: int) -> None:
+        if previous is not None:
+            await previous
+        await self._run(step)
 
     async def finish(self, timeout: float) -> None:
-        """Wait for the eval in progress, if any; its metrics are logged when it ends."""
+        """Wait for every eval that was started; their metrics are logged as each ends."""
         if self.task is not None:
             task, self.task = self.task, None
             await asyncio.wait_for(task, timeout)

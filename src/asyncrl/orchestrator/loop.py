@@ -36,7 +36,7 @@ from asyncrl.orchestrator.pool import InferencePool, PooledPolicy
 from asyncrl.orchestrator.queue import RolloutQueue
 from asyncrl.orchestrator.sampler import EnvironmentSampler
 from asyncrl.transport import rollouts as rollout_files
-from asyncrl.transport import weights
+from asyncrl.transport.transfer import update_source
 
 
 def load_environments(cfg: OrchestratorConfig) -> dict[str, Environment]:
@@ -96,14 +96,6 @@ def log_samples(batch: Batch, log: JsonlWriter, count: int) -> None:
         )
 
 
-def weights_source(cfg: OrchestratorConfig):
-    """Where a server loads version N from: its published folder, or (None) the weight broadcast, where the
-    folder holds only the STABLE marker."""
-    if cfg.weight_transfer.mode == "broadcast":
-        return lambda version: None
-    return lambda version: weights.weights_dir(cfg.output_dir, version)
-
-
 async def orchestrate(cfg: OrchestratorConfig) -> None:
     output_dir = Path(cfg.output_dir)
     tokenizer = load_tokenizer(cfg.model.name)
@@ -117,7 +109,7 @@ async def orchestrate(cfg: OrchestratorConfig) -> None:
     metrics = MetricsLogger(output_dir, "orchestrator")
     samples_log = JsonlWriter(output_dir / "samples.jsonl")
     background: list[asyncio.Task] = []
-    dispatcher = None
+    dispatcher = evals = None
     try:
         await pool.wait_ready(cfg.wait_timeout)
         versions = ", ".join(f"{s.url} (policy version {s.version})" for s in pool.servers)
@@ -141,7 +133,9 @@ async def orchestrate(cfg: OrchestratorConfig) -> None:
         cutter = BatchCutter(cfg.batch_size, cfg.batch_tokens, cfg.max_async_level)
         evals = OnlineEvals(cfg, PooledPolicy(pool, tokenizer, cfg.sampling, cfg.seq_len), metrics)
         background = [
-            asyncio.create_task(pool.follow_weights(output_dir, weights_source(cfg)), name="weight follower"),
+            asyncio.create_task(
+                pool.follow_weights(output_dir, update_source(cfg.weight_transfer, output_dir)), name="weight follower"
+            ),
             asyncio.create_task(pool.watch_health(), name="health watch"),
             asyncio.create_task(dispatcher.run(), name="dispatcher"),
         ]
@@ -196,6 +190,8 @@ async def orchestrate(cfg: OrchestratorConfig) -> None:
         await evals.finish(cfg.wait_timeout)
     finally:
         groups = [t.task for t in dispatcher.inflight.values()] if dispatcher is not None else []
+        if evals is not None and evals.task is not None:
+            groups.append(evals.task)
         for task in [*background, *groups]:
             task.cancel()
         await asyncio.gather(*background, *groups, return_exceptions=True)

@@ -39,8 +39,8 @@ from asyncrl.trainer.model import (
 )
 from asyncrl.trainer.schedule import learning_rate
 from asyncrl.transport import weights
-from asyncrl.transport.broadcast import WeightSender
 from asyncrl.transport.rollouts import MicroBatch, rank_file, step_dir, wait_for_batch
+from asyncrl.transport.transfer import FolderPublisher, make_publisher
 
 # Per-token sums reduced over ranks, then divided by the global loss-token count N.
 TOKEN_MEANS = ("entropy", "mismatch_kl", "masked/low", "masked/high")
@@ -92,41 +92,23 @@ def train_step(
 
 
 def publish_weights(
-    model: torch.nn.Module, tokenizer, cfg: TrainerConfig, step: int, world: World, sender: WeightSender | None
+    model: torch.nn.Module, tokenizer, cfg: TrainerConfig, step: int, world: World, publisher: FolderPublisher
 ) -> None:
-    """Publish policy version `step`: the whole model, or with LoRA only the adapter. A collective: every rank
-    takes part in gathering the tensors; rank 0 sends or writes them.
-
-    Filesystem transfer: weights/step_N is the model (or adapter) folder. Broadcast transfer: rank 0's
-    `sender` hands the tensors to inference directly and weights/step_N holds only the STABLE marker, except
-    at the last step, written in full so that the run ends with a usable model.
-    """
+    """Publish policy version `step`: the whole model, or with LoRA only the adapter, by the run's weight
+    transfer (transport/transfer.py). A collective: every rank takes part in gathering the tensors; rank 0
+    sends or writes them."""
     lora = is_lora(model)
-    broadcast = cfg.weight_transfer.mode == "broadcast"
     if lora:
         state_dict = adapter_state_dict(model)
-    elif broadcast and world.device.type == "cuda":
+    elif publisher.gather_on_device and world.device.type == "cuda":
         # Gathered on the GPU, not through host memory: the sender broadcasts from there.
         state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     else:
         state_dict = full_state_dict(model)
     if not world.is_main:
         return
-    if broadcast:
-        if not lora:
-            if getattr(model.config, "tie_word_embeddings", False):
-                state_dict.pop("lm_head.weight", None)  # the receiver's model re-ties it
-            # Sent in the dtype inference computes in: bf16 halves the bytes of fp32 master weights.
-            dtype = DTYPES[cfg.model.dtype]
-            state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
-        sender.send(state_dict, step, adapter_config(model) if lora else None)
-    if not broadcast or step == cfg.max_steps:
-        if lora:
-            weights.publish_adapter(cfg.output_dir, step, state_dict, adapter_config(model))
-        else:
-            weights.publish(cfg.output_dir, step, state_dict, model.config, tokenizer)
-    else:
-        weights.publish_marker(cfg.output_dir, step)
+    adapter = adapter_config(model) if lora else None
+    publisher.publish(step, state_dict, model.config, tokenizer, adapter, last=step == cfg.max_steps)
     weights.prune(cfg.output_dir, cfg.keep_weights)
 
 
@@ -137,18 +119,19 @@ def train(cfg: TrainerConfig) -> int:
         model = parallelize(model, world.world_size, world.device, cfg.model.dtype, cfg.perf)
         optimizer = make_optimizer(model, cfg.optim)
         tokenizer = load_tokenizer(cfg.model.name)  # published weights carry it, so each is a whole model
-        sender = None
-        if world.is_main and cfg.weight_transfer.mode == "broadcast":
-            sender = WeightSender(cfg.weight_transfer, world.device)  # joins the inference process's group
+        # Broadcast: rank 0 opens the group and waits here until every inference server has joined.
+        publisher = make_publisher(
+            cfg.weight_transfer, cfg.output_dir, world.device, DTYPES[cfg.model.dtype], world.is_main
+        )
         done = 0  # steps finished before this process started
         if cfg.resume is not None:
             resumed = checkpoint.resume(cfg.output_dir, checkpoints.RL_PARTS, cfg.resume.step, model, optimizer, world)
             done = resumed.step
             # The off-policy bound needs policy version `done`, which weight pruning may have deleted from disk;
-            # a broadcast reaches only the inference server of this run, which started on the base model.
+            # a broadcast reaches only the inference servers of this run, which started on the base model.
             published = (weights.weights_dir(cfg.output_dir, done) / weights.MARKER).exists()
-            if cfg.weight_transfer.mode == "broadcast" or not published:
-                publish_weights(model, tokenizer, cfg, done, world, sender)
+            if publisher.resend_on_resume or not published:
+                publish_weights(model, tokenizer, cfg, done, world, publisher)
         logger = MetricsLogger(cfg.output_dir, "trainer") if world.is_main else None
         if world.is_main:
             print(
@@ -171,7 +154,7 @@ def train(cfg: TrainerConfig) -> int:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-            publish_weights(model, tokenizer, cfg, step, world, sender)
+            publish_weights(model, tokenizer, cfg, step, world, publisher)
             train_end = time.time()
             # Every rank read its file before joining the collective in publish_weights, so rank 0 may
             # delete the whole step folder now.

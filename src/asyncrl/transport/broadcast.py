@@ -1,18 +1,24 @@
-"""Policy weights by collective broadcast: trainer rank 0 → the inference process, never through the disk.
+"""Policy weights by collective broadcast: trainer rank 0 → every inference server, never through the disk.
 
-The two processes form a process group of their own, two members, apart from the trainer's FSDP group:
-the inference process hosts a TCPStore at `weight_transfer.host:port` and the trainer's rank 0 joins it.
-The backend is nccl when both ends are on GPUs and gloo otherwise, so CI on CPU runs the same code.
+Trainer rank 0 and the R inference servers of a run form one process group of their own, R + 1 members,
+apart from the trainer's FSDP group. Trainer rank 0 hosts a TCPStore at `weight_transfer.host:port`; each
+server joins it as member `weight_transfer.rank` (1 … R, `weight_transfer.receivers` = R; `asyncrl rl`
+sets both), and may start first: it keeps trying until the trainer is there. Each server writes which GPU
+it is on; the backend is nccl when the trainer and every server are on GPUs of their own, and gloo
+otherwise (CPUs, or servers sharing a GPU), so CI on CPU runs the same code.
 
 Transfer number n (1, 2, ... for each version the trainer publishes):
   1. the sender puts a header in the store under `transfer/n`: policy version, tensor names, shapes and dtypes
      (and, for a LoRA adapter, its adapter_config.json);
-  2. it broadcasts one flat buffer per dtype; the receiver allocates the same buffers and cuts them into tensors.
+  2. it broadcasts one flat buffer per dtype; each receiver allocates the same buffers and cuts them into
+     tensors.
 The trainer then writes `weights/step_N/STABLE` as with files (transport/weights.py), so the orchestrator
-waits for versions the same way. The receiver runs in a background thread of the inference server and
+waits for versions the same way. Each receiver runs in a background thread of its inference server and
 keeps the newest version; `/admin/update_weights` without a path makes it live.
 
-Every wait has a timeout (`weight_transfer.timeout`) and an error that names the peer.
+A collective needs every member: a server that dies stops the next broadcast (the trainer's wait times out,
+or gloo reports the broken connection). Every wait has a timeout (`weight_transfer.timeout`) and an error
+that names the peer.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from asyncrl.transport.waiting import PeerTimeout
 
 log = logging.getLogger("asyncrl.broadcast")
 
-SENDER, RECEIVER = 0, 1
+SENDER = 0  # trainer rank 0's place in the group; the servers are 1 ... receivers
 POLL = 0.002  # seconds between checks of a collective in flight: well below any transfer's time
 IDLE_POLL = 0.01  # seconds between checks for the next transfer's header (a store round trip each)
 
@@ -44,14 +50,17 @@ def _gpu_id(device: torch.device) -> str | None:
     return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
 
 
-def _group(store: dist.Store, rank: int, backend: str, timeout: float) -> dist.ProcessGroupGloo | dist.ProcessGroupNCCL:
-    """The two-member group; blocks until both members joined (gloo) or until the first collective (nccl)."""
+def _group(
+    store: dist.Store, rank: int, size: int, backend: str, timeout: float
+) -> dist.ProcessGroupGloo | dist.ProcessGroupNCCL:
+    """The group of trainer rank 0 and every server; blocks until all joined (gloo) or until the first
+    collective (nccl)."""
     store = dist.PrefixStore("group", store)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timedelta(seconds=timeout)
-        return dist.ProcessGroupNCCL(store, rank, 2, options)
-    return dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=timeout))
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout))
 
 
 def _broadcast(
@@ -78,9 +87,9 @@ def _buffers(specs: list[tuple[str, list[int], str]]) -> dict[str, list[int]]:
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """The receiver's listening socket, bound first so that a port in use fails at once, with the fix."""
+    """The sender's listening socket, bound first so that a port in use fails at once, with the fix."""
     try:
-        return socket.create_server((host, port), backlog=16)
+        return socket.create_server((host, port), backlog=128)
     except OSError as error:
         raise AsyncRLError(
             f"weight broadcast: cannot listen on {host}:{port}: {error.strerror} "
@@ -89,45 +98,61 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 class WeightSender:
-    """Trainer rank 0's end: joins the inference process's group at construction, then sends each version.
+    """Trainer rank 0's end: hosts the group's store, waits for every server to join, then sends each version.
 
-    The backend is nccl when both ends are on GPUs, gloo otherwise (tensors then travel through host memory).
+    The backend is nccl when the trainer and every server are on GPUs of their own, gloo otherwise (tensors
+    then travel through host memory).
     """
 
     def __init__(self, cfg: WeightTransferConfig, device: torch.device):
-        if cfg.port == 0:
-            raise AsyncRLError(
-                "weight broadcast: weight_transfer.port is 0; give the trainer the port the inference server "
-                "listens on (`asyncrl rl` does it for you)"
-            )
         self.timeout = cfg.timeout
-        self.peer = f"the inference process at {cfg.host}:{cfg.port}"
+        self.size = cfg.receivers + 1
+        self._socket = listen(cfg.host, cfg.port)
+        self.port = self._socket.getsockname()[1]
+        self.address = f"{cfg.host}:{self.port}"
         self.transfers = 0
-        try:
-            self.store = dist.TCPStore(cfg.host, cfg.port, 2, is_master=False, timeout=timedelta(seconds=cfg.timeout))
-            receiver = json.loads(self.store.get("receiver"))
-        except (dist.DistError, RuntimeError) as error:
-            raise PeerTimeout(
-                f"weight broadcast: could not reach {self.peer} within {cfg.timeout:.0f}s "
-                f"({str(error).splitlines()[0]}); is the inference server running with "
-                "weight_transfer.mode = 'broadcast' on that port?"
-            ) from None
-        backend = "nccl" if device.type == "cuda" and receiver["gpu"] is not None else "gloo"
-        if backend == "nccl" and receiver["gpu"] == _gpu_id(device):
+        self.store = dist.TCPStore(
+            cfg.host,
+            self.port,
+            self.size,
+            is_master=True,
+            timeout=timedelta(seconds=cfg.timeout),
+            wait_for_workers=False,
+            master_listen_fd=self._socket.fileno(),
+        )
+        log.info("weight broadcast: waiting for %d inference server(s) at %s", cfg.receivers, self.address)
+        gpus = []
+        for rank in range(1, self.size):
+            try:
+                gpus.append(json.loads(self.store.get(f"receiver/{rank}"))["gpu"])
+            except (dist.DistError, RuntimeError):
+                raise PeerTimeout(
+                    f"weight broadcast: inference server {rank} of {cfg.receivers} did not join at {self.address} "
+                    f"within {cfg.timeout:.0f}s (is it running with weight_transfer.mode = 'broadcast', this host "
+                    "and port, and weight_transfer.rank set?)"
+                ) from None
+        own = _gpu_id(device)
+        if own is not None and own in gpus:
             raise AsyncRLError(
-                "weight broadcast: trainer rank 0 and the inference server are on the same GPU, and NCCL needs "
+                "weight broadcast: trainer rank 0 and an inference server are on the same GPU, and NCCL needs "
                 "one GPU per process (use weight_transfer.mode = 'filesystem' on one GPU, or give each its own)"
             )
+        distinct = own is not None and None not in gpus and len(set(gpus)) == len(gpus)
+        backend = "nccl" if distinct else "gloo"
         self.device = device if backend == "nccl" else torch.device("cpu")
         self.store.set("backend", backend)
-        self.group = _group(self.store, SENDER, backend, cfg.timeout)
+        self.group = _group(self.store, SENDER, self.size, backend, cfg.timeout)
+        self.peer = f"the {cfg.receivers} inference server(s) of the group at {self.address}"
+        log.info("weight broadcast: %d inference server(s) joined at %s (%s)", cfg.receivers, self.address, backend)
 
     def send(self, state_dict: Mapping[str, torch.Tensor], version: int, adapter_config: dict | None = None) -> None:
-        """Send `state_dict` as policy `version`; returns once the receiver has all of it. `adapter_config`
+        """Send `state_dict` as policy `version`; returns once every receiver has all of it. `adapter_config`
         marks it as a LoRA adapter to merge into the base model."""
         specs = [(name, list(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in state_dict.items()]
         header = {"version": version, "tensors": specs, "adapter_config": adapter_config}
         self.transfers += 1
+        if self.transfers > 1:  # every receiver read the previous header before it joined that broadcast
+            self.store.delete_key(f"transfer/{self.transfers - 1}")
         self.store.set(f"transfer/{self.transfers}", json.dumps(header))
         tensors = list(state_dict.values())
         for indices in _buffers(specs).values():
@@ -136,31 +161,26 @@ class WeightSender:
 
 
 class WeightReceiver:
-    """The inference process's end: a thread that receives every version the trainer sends and keeps the newest.
-
-    The store listens from construction on, so a port in use fails at server start; the trainer may join
-    later, within `timeout`.
-    """
+    """An inference server's end: a thread that joins trainer rank 0's group, receives every version it sends
+    and keeps the newest. The server starts first; the thread keeps trying to reach the trainer for
+    `timeout` seconds."""
 
     def __init__(self, cfg: WeightTransferConfig, device: torch.device):
+        if cfg.port == 0:
+            raise AsyncRLError(
+                "weight broadcast: weight_transfer.port is 0; give the server the port trainer rank 0 listens on "
+                "(`asyncrl rl` does it for you)"
+            )
+        if not 1 <= cfg.rank <= cfg.receivers:
+            raise AsyncRLError(
+                f"weight broadcast: weight_transfer.rank = {cfg.rank} is not one of the group's inference servers "
+                f"1..{cfg.receivers} (weight_transfer.receivers)"
+            )
+        self.cfg = cfg
         self.timeout = cfg.timeout
         self.device = device
-        # Our own listening socket: the store then listens on `host` only (loopback by default), and port 0
-        # picks a free port.
-        self._socket = listen(cfg.host, cfg.port)
-        self.port = self._socket.getsockname()[1]
-        self.address = f"{cfg.host}:{self.port}"
-        self.store = dist.TCPStore(
-            cfg.host,
-            self.port,
-            2,
-            is_master=True,
-            timeout=timedelta(seconds=cfg.timeout),
-            wait_for_workers=False,
-            master_listen_fd=self._socket.fileno(),
-        )
-        self.store.set("receiver", json.dumps({"gpu": _gpu_id(device)}))
-        log.info("weight broadcast: waiting for trainer rank 0 at %s", self.address)
+        self.address = f"{cfg.host}:{cfg.port}"
+        log.info("weight broadcast: joining trainer rank 0 at %s as member %d", self.address, cfg.rank)
         self._newest: tuple[int, dict[str, torch.Tensor]] | None = None
         self._error: Exception | None = None
         self._stopping = False
@@ -175,7 +195,7 @@ class WeightReceiver:
             arrived = self._changed.wait_for(
                 lambda: self._error is not None or (self._newest is not None and self._newest[0] >= version), timeout
             )
-            if self._error is not None:
+            if self._error is not None and not (self._newest is not None and self._newest[0] >= version):
                 raise self._error
             if not arrived:
                 newest = self._newest[0] if self._newest else "none"
@@ -193,32 +213,45 @@ class WeightReceiver:
     def _run(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        cfg = self.cfg
         try:
             try:
-                backend = self.store.get("backend").decode()  # set by the trainer when it joins
-                group = _group(self.store, RECEIVER, backend, self.timeout)
+                self.store = dist.TCPStore(
+                    cfg.host, cfg.port, cfg.receivers + 1, is_master=False, timeout=timedelta(seconds=cfg.timeout)
+                )
+                self.store.set(f"receiver/{cfg.rank}", json.dumps({"gpu": _gpu_id(self.device)}))
+                backend = self.store.get("backend").decode()  # set by the trainer once every server joined
+                group = _group(self.store, cfg.rank, cfg.receivers + 1, backend, self.timeout)
             except (dist.DistError, RuntimeError):
                 raise PeerTimeout(
-                    f"weight broadcast: trainer rank 0 did not join at {self.address} within {self.timeout:.0f}s "
-                    "(is it running with weight_transfer.mode = 'broadcast' and this host and port?)"
+                    f"weight broadcast: trainer rank 0 did not open the group at {self.address} within "
+                    f"{self.timeout:.0f}s (is it running with weight_transfer.mode = 'broadcast' and this host and "
+                    "port, and are all weight_transfer.receivers servers up?)"
                 ) from None
             log.info("weight broadcast: trainer rank 0 joined at %s (%s)", self.address, backend)
             buffer_device = self.device if backend == "nccl" else torch.device("cpu")
             transfer = 1
             while not self._stopping:
                 key = f"transfer/{transfer}"
-                if not self.store.check([key]):
+                try:
+                    waiting = not self.store.check([key])
+                except dist.DistNetworkError:
+                    newest = self._newest[0] if self._newest else "none"
+                    raise PeerTimeout(
+                        f"weight broadcast: trainer rank 0 left the group at {self.address} (its run ended, or it "
+                        f"stopped); this server keeps the newest version it received ({newest})"
+                    ) from None
+                if waiting:
                     time.sleep(IDLE_POLL)
                     continue
                 header = json.loads(self.store.get(key))
                 state_dict = self._receive(group, header, buffer_device)
-                self.store.delete_key(key)
                 with self._changed:
                     self._newest = (header["version"], state_dict)
                     self._changed.notify_all()
                 transfer += 1
         except Exception as error:  # noqa: BLE001 - kept for take(), which reports it to the caller
-            log.error("%s", error)
+            log.warning("%s", error)
             with self._changed:
                 self._error = error
                 self._changed.notify_all()
