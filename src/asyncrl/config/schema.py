@@ -293,6 +293,12 @@ class InferenceConfig(Config):
         description="decoding attention kernel: triton (split-KV), flash (torch's flash attention) or sdpa "
         "(masked); auto: triton, else flash, on a GPU in half precision, sdpa elsewhere",
     )
+    share_prompts: bool = Field(
+        True,
+        description="the samples of a request admitted together keep one copy of their prompt's keys and values, "
+        "which decoding attention reads for all of them (with the triton decoding attention; the others copy it "
+        "into every sample's slot)",
+    )
     num_threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
     weight_transfer: WeightTransferConfig = WeightTransferConfig()
     admin_token: str | None = Field(
