@@ -479,7 +479,7 @@ class Engine:
 
     def _finish_reason(self, sequence: Sequence, token: int) -> str | None:
         request = sequence.params
-        if (token in self.eos_token_ids and not request.ignore_eos) or token in request.stop_token_ids:
+        if (token in self.eos_token_ids and not request.ignore_eos) or token in sequence.request.stop_token_ids:
             return "stop"
         if request.stop and self._ends_with_stop_string(sequence.token_ids, request.stop):
             return "stop"
