@@ -2,18 +2,20 @@
 
     python benchmarks/gpu_suite.py [--budget 500] [--out DIR]
 
-Runs, in this order, each in a fresh process, and skips what the budget no longer holds (said so in the
-table):
+Runs `STEPS` in order, each in a fresh process, and skips what the budget no longer holds (said so at the
+end; `--only` runs those later):
 
-1. `benchmarks/trainer.py`'s attention check: cuDNN and flash on one-document rows against float32
-   attention, and their speed on one layer at 16,384 and 65,536 tokens;
-2. the trainer on prime-rl's rows (one document per row, two rows per step), with our best settings (no
-   recompute, compiled): RL 65,536, SFT 8,192, RL 16,384;
-3. the engine at 128 prompts x 256 new tokens against a warm Hugging Face `generate` (median of three each);
-4. the same trainer rows with full activation recompute, as prime-rl's published rows ran;
-5. the RL-shape engine workload (64 prompts x 8 samples, up to 2,048 new tokens; one timed run);
-6. if RL 65,536 ran out of memory without recompute: with every other layer recomputed; then, if time is
-   left, the RL-shape workload without prompt sharing.
+- `check`: `benchmarks/trainer.py`'s attention check: cuDNN and flash on one-document rows against float32
+  attention, and their speed on one layer at 16,384 and 65,536 tokens;
+- `rl-64k-best`, `sft-8k-best`, `rl-16k-best`: the trainer on prime-rl's rows (one document per row, two
+  rows per step) with our best settings (no recompute, compiled);
+- `batch-native`, `batch-hf`: the engine at 128 prompts x 256 new tokens, and a warm Hugging Face
+  `generate` on the same prompts (median of three each);
+- `rl-64k-prime`, `sft-8k-prime`, `rl-16k-prime`: the trainer rows with full activation recompute, as
+  prime-rl's published rows ran;
+- `rl-shape`: the RL-shape engine workload (64 prompts x 8 samples, up to 2,048 new tokens; one timed run);
+- `rl-64k-selective`: only if `rl-64k-best` failed (out of memory): every other layer recomputed;
+- `rl-shape-copies`: the RL shape without prompt sharing.
 
 Prints each result as it comes, then one table; with --out, also writes suite.json there.
 """
@@ -53,13 +55,21 @@ class Budget:
         return min(bounds[1], left) if left >= bounds[0] else None
 
 
+# The steps in the order they run (most wanted first: a tight budget drops the last).
+STEPS = [
+    "check", "rl-64k-best", "sft-8k-best", "rl-16k-best", "batch-native", "batch-hf", "rl-64k-prime",
+    "sft-8k-prime", "rl-shape", "rl-16k-prime", "rl-64k-selective", "rl-shape-copies",
+]  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", type=float, default=500, help="seconds for the whole suite")
+    parser.add_argument("--budget", type=float, default=520, help="seconds for the whole suite")
     parser.add_argument("--out", type=Path, help="folder for suite.json")
+    parser.add_argument("--only", nargs="+", choices=STEPS, help="run these steps only (e.g. what a run skipped)")
     parser.add_argument(
         "--engine-presets", nargs=2, default=["qwen3-0.6b", "rl-shape"], metavar=("BATCH", "RL"),
-        help="benchmarks/inference.py presets of steps 3 and 5 (others only to try the suite out)",
+        help="benchmarks/inference.py presets of the engine steps (others only to try the suite out)",
     )  # fmt: skip
     args = parser.parse_args()
     batch_preset, rl_preset = args.engine_presets
@@ -75,40 +85,44 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         shape = trainer.write_shape(Path(scratch) / "qwen3-0.6b-config")
         trainer_args = SimpleNamespace(steps=3, warmup_steps=2, nproc=1, threads=0)
+        folder = None
 
-        def trainer_row(row: str, kind: str) -> None:
-            name = f"{row}-{kind}"
-            timeout = budget.timeout(TRAINER_ROW[row])
-            if timeout is None:
-                results["skipped"].append(name)
-                return
-            case = trainer.LIKE_FOR_LIKE_CASES[name]
-            results["trainer"][name] = trainer.run_case(name, case, shape, trainer_args, "bfloat16", timeout)
+        def model_folder(preset: str) -> Path:
+            nonlocal folder
+            if folder is None:
+                model = inference.PRESETS[preset]
+                folder = build_model(model.model, Path(scratch) / model.model, model.device)
+            return folder
+
+        for step in args.only or STEPS:
+            if (
+                step == "rl-64k-selective"
+                and not args.only
+                and "error" not in results["trainer"].get("rl-64k-best", {})
+            ):
+                continue  # only where rl-64k-best ran out of memory
+            if step == "check":
+                timeout = budget.timeout(CHECK)
+                if timeout is None:
+                    results["skipped"].append(step)
+                else:
+                    results["attention"] = trainer.run_check(timeout)
+            elif step.startswith(("rl-64k", "sft-8k", "rl-16k")):
+                row = step.rsplit("-", 1)[0]
+                timeout = budget.timeout(TRAINER_ROW[row])
+                if timeout is None:
+                    results["skipped"].append(step)
+                    continue
+                case = trainer.LIKE_FOR_LIKE_CASES[step]
+                results["trainer"][step] = trainer.run_case(step, case, shape, trainer_args, "bfloat16", timeout)
+            elif step.startswith("batch"):
+                kind = step.removeprefix("batch-")
+                bounds = ENGINE if kind == "native" else HF
+                engine_step(results, budget, kind, bounds, batch_preset, 3, model_folder(batch_preset))
+            else:
+                kind = "native-copies" if step == "rl-shape-copies" else "native"
+                engine_step(results, budget, kind, RL_SHAPE, rl_preset, 1, model_folder(rl_preset))
             record()
-
-        timeout = budget.timeout(CHECK)
-        if timeout is None:
-            results["skipped"].append("attention check")
-        else:
-            results["attention"] = trainer.run_check(timeout)
-        record()
-        for row in ("rl-64k", "sft-8k", "rl-16k"):
-            trainer_row(row, "best")
-
-        preset = inference.PRESETS[batch_preset]
-        folder = build_model(preset.model, Path(scratch) / preset.model, preset.device)
-        for kind, bounds in (("native", ENGINE), ("hf", HF)):
-            engine_step(results, budget, kind, bounds, batch_preset, 3, folder)
-            record()
-
-        for row in ("rl-64k", "sft-8k", "rl-16k"):
-            trainer_row(row, "prime")
-        engine_step(results, budget, "native", RL_SHAPE, rl_preset, 1, folder)
-        record()
-        if "error" in results["trainer"].get("rl-64k-best", {}):
-            trainer_row("rl-64k", "selective")
-        engine_step(results, budget, "native-copies", RL_SHAPE, rl_preset, 1, folder)
-        record()
 
     results["wall_s"] = time.monotonic() - start
     record()

@@ -51,15 +51,15 @@ SELECTIVE = ["--perf.activation-checkpointing", "selective"]
 PRIME_RL = {"rl-16k": (11_896, 11.08), "rl-64k": (10_147, 26.80), "sft-8k": (26_005, 16.81)}
 LIKE_FOR_LIKE_CASES = {
     "rl-16k-prime": Case(16384, 1, "rl", FULL_RECOMPUTE + COMPILE, micro_batches=2),
-    "rl-64k-prime": Case(65536, 1, "rl", FULL_RECOMPUTE + COMPILE, micro_batches=2, warmup_steps=1),
+    "rl-64k-prime": Case(65536, 1, "rl", FULL_RECOMPUTE + COMPILE, micro_batches=2, warmup_steps=1, steps=2),
     "sft-8k-prime": Case(8192, 1, "sft", FULL_RECOMPUTE + COMPILE, micro_batches=2),
     "rl-16k-best": Case(16384, 1, "rl", COMPILE, micro_batches=2),
-    "rl-64k-best": Case(65536, 1, "rl", COMPILE, micro_batches=2, warmup_steps=1),
+    "rl-64k-best": Case(65536, 1, "rl", COMPILE, micro_batches=2, warmup_steps=1, steps=2),
     # where rl-64k-best runs out of memory: every other layer recomputed
-    "rl-64k-selective": Case(65536, 1, "rl", SELECTIVE + COMPILE, micro_batches=2, warmup_steps=1),
+    "rl-64k-selective": Case(65536, 1, "rl", SELECTIVE + COMPILE, micro_batches=2, warmup_steps=1, steps=2),
     "sft-8k-best": Case(8192, 1, "sft", COMPILE, micro_batches=2),
     # the same rows through flash attention: what cuDNN gains
-    "rl-64k-flash": Case(65536, 1, "rl", COMPILE + ["--perf.attention-kernel", "flash"], 2, warmup_steps=1),
+    "rl-64k-flash": Case(65536, 1, "rl", COMPILE + ["--perf.attention-kernel", "flash"], 2, warmup_steps=1, steps=2),
 }
 GPU_CASES = {
     "rl-16k": Case(16384, 16, "rl", []),
