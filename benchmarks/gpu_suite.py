@@ -1,6 +1,6 @@
-"""The recorded GPU figures in one command within a time budget (one H200: about 8 minutes).
+"""The recorded GPU figures in one command within a time budget (default 8 minutes, one H200).
 
-    python benchmarks/gpu_suite.py [--budget 500] [--out DIR]
+    python benchmarks/gpu_suite.py [--budget 480] [--out DIR] [--only STEP ...]
 
 Runs `STEPS` in order, each in a fresh process, and skips what the budget no longer holds (said so at the
 end; `--only` runs those later):
@@ -64,7 +64,7 @@ STEPS = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", type=float, default=520, help="seconds for the whole suite")
+    parser.add_argument("--budget", type=float, default=480, help="seconds for the whole suite")
     parser.add_argument("--out", type=Path, help="folder for suite.json")
     parser.add_argument("--only", nargs="+", choices=STEPS, help="run these steps only (e.g. what a run skipped)")
     parser.add_argument(

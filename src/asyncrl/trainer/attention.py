@@ -137,7 +137,7 @@ def cudnn_attention_problem(device: torch.device, heads: int, kv_heads: int, hea
     k, v = random(1, kv_heads, tokens, head_dim), random(1, kv_heads, tokens, head_dim)
 
     def run(dtype: torch.dtype, backends: list[SDPBackend]) -> list[torch.Tensor]:
-        inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        inputs = [t.to(dtype, copy=True).requires_grad_() for t in (q, k, v)]
         with torch.enable_grad(), sdpa_kernel(backends):
             out = F.scaled_dot_product_attention(*inputs, is_causal=True, enable_gqa=True)
             (out.float() * upstream).sum().backward()
