@@ -3,6 +3,8 @@
     python benchmarks/inference.py --preset tiny            # CPU, ~0.1M parameters
     python benchmarks/inference.py --preset 30m             # CPU, ~32M parameters
     python benchmarks/inference.py --preset qwen3-0.6b      # one GPU, Qwen3-0.6B shape, bf16, 128 x 256
+    python benchmarks/inference.py --preset rl-shape        # one GPU, 64 prompts x 8 samples, up to 2,048 tokens
+    python benchmarks/inference.py --preset rl-shape-tiny   # CPU, 8 prompts x 4 samples, up to 64 tokens
     python benchmarks/inference.py --preset 30m --vllm-url http://127.0.0.1:8001
 
 Every backend gets the same prompts (random token ids, one request each) and the same sampling
@@ -10,11 +12,24 @@ Every backend gets the same prompts (random token ids, one request each) and the
 warm up (CUDA graphs are captured then), then `--repeats` timed runs. Printed per backend: generated tokens
 per second (median of the runs; only tokens up to each sample's EOS count), time to first token (median
 over requests: the engine's first streamed token; for Hugging Face, a `generate` of one new token), peak
-memory (GPU: allocated by torch; CPU: the process's peak resident set), and the ratio to Hugging Face.
+memory (GPU: allocated by torch; CPU: the process's peak resident set), and the ratio to Hugging Face
+(warm: it runs once at full length before its timed runs, as the engine does).
 On a GPU the engine also runs as `GPU_VARIANTS` set it (torch's flash attention instead of our Triton
 decoding kernel; no compiled decoding step), so what each part gains shows side by side.
 A parity check follows: the engine's sampled-token logprobs against a teacher-forced Hugging Face forward
 of the same weights (float32: max abs difference; the preset's dtype: mismatch KL, mean of rho - r - 1).
+
+`rl-shape` is a GRPO-style rollout batch: 64 prompts of 448-576 tokens, 8 samples each (one request with
+n = 8, so a group's prompt is prefilled once and, with `inference.share_prompts`, held once in the KV
+cache), up to 2,048 new tokens. The random model's next token is close to uniform, so a set of 148 stop
+ids (one per 1,024 of the vocabulary) ends each sample with probability ~1/1,024 per token: lengths spread
+from a few tokens to the 2,048 cap (mean ~900). It runs the engine alone (Hugging Face `generate` would take
+hours), with prompt sharing and, as `native-copies`, without.
+
+For the GPU presets the memory-bandwidth bound is printed too (`bandwidth_bound`): every decoding step
+reads all weights once and every running sample's keys and values (a shared prompt once per group),
+replayed over the run's own sample lengths and the engine's number of KV-cache slots, at
+`--bandwidth` bytes/s; prefill, sampling and the host are left out, so no engine reaches it.
 """
 
 from __future__ import annotations
@@ -44,20 +59,73 @@ class Preset:
     prompt_len: int
     new_tokens: int
     repeats: int
-    hf_repeats: int  # timed runs of Hugging Face `generate`
+    hf_repeats: int  # timed runs of Hugging Face `generate`; 0: the engine alone
     threads: int = 0
+    n: int = 1  # samples per prompt (one request each)
+    prompt_spread: int = 0  # prompt lengths vary by up to this much around prompt_len
+    stop_one_in: int = 0  # stop ids: one per this many vocabulary ids (0: none)
+    warmup_tokens: int | None = None  # new tokens of the warm-up run (None: new_tokens)
 
 
 PRESETS = {
     "tiny": Preset("tiny", "cpu", "float32", 64, 16, 64, repeats=3, hf_repeats=3, threads=1),
     "30m": Preset("30m", "cpu", "float32", 64, 32, 64, repeats=3, hf_repeats=3, threads=1),
     "qwen3-0.6b": Preset("qwen3-0.6b", "cuda", "bfloat16", 128, 128, 256, repeats=3, hf_repeats=3),
-}
+    "rl-shape": Preset(
+        "qwen3-0.6b", "cuda", "bfloat16", 64, 512, 2048, repeats=3, hf_repeats=0, n=8, prompt_spread=64,
+        stop_one_in=1024, warmup_tokens=16,
+    ),
+    # the same kind of work for the CPU: 8 prompts x 4 samples, up to 64 new tokens
+    "rl-shape-tiny": Preset(
+        "tiny", "cpu", "float32", 8, 16, 64, repeats=3, hf_repeats=0, threads=1, n=4, prompt_spread=4,
+        stop_one_in=32, warmup_tokens=4,
+    ),
+}  # fmt: skip
+# The bandwidth a decoding step can draw on: the H200's best measured here (our decoding attention kernel
+# read its keys and values at 3.47 TB/s; the datasheet's 4.8 TB/s is not reached by any kernel we ran).
+H200_BANDWIDTH = 3.4e12
 
 
 def make_prompts(preset: Preset) -> list[list[int]]:
     generator = torch.Generator().manual_seed(1)
-    return torch.randint(0, 256, (preset.prompts, preset.prompt_len), generator=generator).tolist()
+    spread = torch.randint(-preset.prompt_spread, preset.prompt_spread + 1, (preset.prompts,), generator=generator)
+    lengths = (preset.prompt_len + spread).tolist() if preset.prompt_spread else [preset.prompt_len] * preset.prompts
+    return [torch.randint(0, 256, (length,), generator=generator).tolist() for length in lengths]
+
+
+def stop_token_ids(preset: Preset, vocab_size: int) -> tuple[int, ...]:
+    return tuple(range(preset.stop_one_in // 2, vocab_size, preset.stop_one_in)) if preset.stop_one_in else ()
+
+
+def bandwidth_bound(
+    prompt_lens: list[int],
+    sample_lengths: list[list[int]],
+    slots: int,
+    weight_bytes: float,
+    kv_bytes_per_token: float,
+    bandwidth: float,
+    share_prompts: bool,
+) -> float:
+    """Tokens/s if every decoding step took only the time to read, at `bandwidth`, all weights and every
+    running sample's keys and values (a prompt that samples admitted together share: once per group).
+    Replays the run: samples in request order take free slots (at most `slots` at once) and each decodes
+    its own number of tokens, one per step."""
+    waiting = [(request, length) for request, lengths in enumerate(sample_lengths) for length in lengths]
+    running: list[list[int]] = []  # [request, group, generated, length]
+    seconds, step = 0.0, 0
+    while waiting or running:
+        while waiting and len(running) < slots:
+            request, length = waiting.pop(0)
+            running.append([request, step, 0, length])
+        context = sum(generated + (0 if share_prompts else prompt_lens[r]) for r, _, generated, _ in running)
+        if share_prompts:
+            context += sum(prompt_lens[r] for r, _ in {(r, group) for r, group, _, _ in running})
+        seconds += (weight_bytes + context * kv_bytes_per_token) / bandwidth
+        for sample in running:
+            sample[2] += 1
+        running = [sample for sample in running if sample[2] < sample[3]]
+        step += 1
+    return sum(map(sum, sample_lengths)) / seconds
 
 
 def peak_memory_gib(device: str) -> float:
@@ -78,6 +146,8 @@ def tokens_until_eos(token_ids: list[int], eos: set[int]) -> int:
 
 # Engine settings compared on a GPU, each against the defaults ("native").
 GPU_VARIANTS = {"native-flash": {"decode_attention": "flash"}, "native-eager": {"compile": False}}
+# ... and for the rl-shape preset: without prompt sharing (every sample's slot holds its prompt).
+RL_VARIANTS = {"native-copies": {"share_prompts": False}}
 
 
 def engine_config(preset: Preset, folder: Path, dtype: str, max_batch_size: int, **settings):
@@ -86,7 +156,7 @@ def engine_config(preset: Preset, folder: Path, dtype: str, max_batch_size: int,
     return InferenceConfig(
         model={"name": str(folder), "dtype": dtype},
         device=preset.device,
-        seq_len=preset.prompt_len + preset.new_tokens,
+        seq_len=preset.prompt_len + preset.prompt_spread + preset.new_tokens,
         max_batch_size=max_batch_size,
         num_threads=preset.threads,
         **settings,
@@ -95,11 +165,13 @@ def engine_config(preset: Preset, folder: Path, dtype: str, max_batch_size: int,
 
 def native_worker(preset: Preset, folder: Path, repeats: int, settings: dict) -> dict:
     from asyncrl.inference.engine import Engine, GenerationRequest
+    from asyncrl.inference.kv_cache import bytes_per_token
 
-    engine = Engine(engine_config(preset, folder, preset.dtype, preset.prompts, **settings))
     prompts = make_prompts(preset)
+    engine = Engine(engine_config(preset, folder, preset.dtype, preset.prompts * preset.n, **settings))
+    stops = stop_token_ids(preset, engine.vocab_size)
 
-    def one_run(seed: int) -> tuple[float, float, int]:
+    def one_run(seed: int, new_tokens: int) -> tuple[float, float, list[list[int]]]:
         first_token: dict[int, float] = {}
         start = time.perf_counter()
         futures = []
@@ -108,22 +180,37 @@ def native_worker(preset: Preset, folder: Path, repeats: int, settings: dict) ->
             def on_token(*_, index=index) -> None:
                 first_token.setdefault(index, time.perf_counter())
 
-            request = GenerationRequest(prompt, max_tokens=preset.new_tokens, temperature=1.0, seed=seed + index)
+            request = GenerationRequest(
+                prompt, n=preset.n, max_tokens=new_tokens, temperature=1.0, seed=seed + index, stop_token_ids=stops
+            )
             futures.append(engine.generate(request, on_token))
-        completions = [future.result(3600)[0] for future in futures]
+        completions = [future.result(3600) for future in futures]
         elapsed = time.perf_counter() - start
         ttft = statistics.median(first_token[i] - start for i in range(len(prompts)))
-        return elapsed, ttft, sum(len(c.token_ids) for c in completions)
+        return elapsed, ttft, [[len(c.token_ids) for c in samples] for samples in completions]
 
-    one_run(seed=10_000)  # warm-up: decoding is compiled (GPU) and CUDA graphs are captured here
-    runs = [one_run(seed=run * len(prompts)) for run in range(repeats)]
-    engine.stop()
-    return {
-        "tok_s": [tokens / elapsed for elapsed, _, tokens in runs],
+    # Warm-up: decoding is compiled (GPU) and CUDA graphs are captured here.
+    one_run(seed=10_000, new_tokens=preset.warmup_tokens or preset.new_tokens)
+    runs = [one_run(run * len(prompts) * preset.n, preset.new_tokens) for run in range(repeats)]
+    config = engine.model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shape = (config.num_hidden_layers, config.num_key_value_heads, head_dim, engine.cache.keys.dtype)
+    median_run = sorted(runs, key=lambda run: sum(map(sum, run[2])) / run[0])[len(runs) // 2]
+    result = {
+        "tok_s": [sum(map(sum, lengths)) / elapsed for elapsed, _, lengths in runs],
         "ttft_s": statistics.median(ttft for _, ttft, _ in runs),
-        "tokens": runs[-1][2],
+        "tokens": sum(map(sum, runs[-1][2])),
         "peak_gib": peak_memory_gib(preset.device),
+        # for bandwidth_bound: the median run's sample lengths, and what a decoding step reads
+        "prompt_lens": [len(prompt) for prompt in prompts],
+        "sample_lengths": median_run[2],
+        "slots": engine.cache.num_slots,
+        "weight_bytes": sum(p.numel() * p.element_size() for p in engine.model.parameters()),
+        "kv_bytes_per_token": bytes_per_token(*shape),
+        "shares_prompts": engine.shared_prompts is not None,
     }
+    engine.stop()
+    return result
 
 
 def hf_worker(preset: Preset, folder: Path, repeats: int) -> dict:
@@ -238,12 +325,31 @@ def vllm_run(preset: Preset, url: str, repeats: int) -> dict:
     return {"tok_s": asyncio.run(main()), "ttft_s": None, "peak_gib": None}
 
 
-def run_worker(kind: str, args: argparse.Namespace, folder: Path) -> dict:
+def run_worker(kind: str, args: argparse.Namespace, folder: Path, timeout: float = 3600) -> dict:
+    """One backend in a process of its own (`--worker`); its figures."""
     command = [sys.executable, __file__, "--preset", args.preset, "--worker", kind, "--model-dir", str(folder)]
     command += ["--repeats", str(args.repeats or PRESETS[args.preset].repeats)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    output = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout
+    output = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True, env=env, timeout=timeout).stdout
     return json.loads(output.strip().splitlines()[-1])
+
+
+def variants(preset: Preset) -> dict[str, dict]:
+    if preset.device != "cuda":
+        return {}
+    return RL_VARIANTS if preset.n > 1 else GPU_VARIANTS
+
+
+def bound_of(figures: dict, bandwidth: float) -> float:
+    return bandwidth_bound(
+        figures["prompt_lens"],
+        figures["sample_lengths"],
+        figures["slots"],
+        figures["weight_bytes"],
+        figures["kv_bytes_per_token"],
+        bandwidth,
+        figures["shares_prompts"],
+    )
 
 
 def main() -> None:
@@ -253,15 +359,19 @@ def main() -> None:
     parser.add_argument("--vllm-url", default=None, help="also measure a vLLM server serving the same model folder")
     parser.add_argument("--model-dir", type=Path, default=None, help="model folder (default: built in a temp dir)")
     parser.add_argument("--output", type=Path, default=None, help="also write the figures as JSON here")
-    workers = ["native", *GPU_VARIANTS, "hf", "parity"]
+    parser.add_argument("--no-variants", action="store_true", help="the engine's defaults only (GPU)")
+    parser.add_argument("--no-parity", action="store_true", help="skip the logprob parity check")
+    parser.add_argument("--bandwidth", type=float, default=H200_BANDWIDTH, help="bytes/s of the bound (GPU)")
+    workers = ["native", *GPU_VARIANTS, *RL_VARIANTS, "hf", "parity"]
     parser.add_argument("--worker", choices=workers, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     preset = PRESETS[args.preset]
 
     if args.worker is not None:
         repeats = args.repeats or preset.repeats
-        if args.worker == "native" or args.worker in GPU_VARIANTS:
-            result = native_worker(preset, args.model_dir, repeats, GPU_VARIANTS.get(args.worker, {}))
+        if args.worker == "native" or args.worker in GPU_VARIANTS or args.worker in RL_VARIANTS:
+            settings = {**GPU_VARIANTS, **RL_VARIANTS}.get(args.worker, {})
+            result = native_worker(preset, args.model_dir, repeats, settings)
         elif args.worker == "hf":
             result = hf_worker(preset, args.model_dir, min(repeats, preset.hf_repeats))
         else:
@@ -269,40 +379,71 @@ def main() -> None:
         print(json.dumps(result))
         return
 
-    scratch = Path(tempfile.gettempdir()) / f"asyncrl-bench-{args.preset}"
+    scratch = Path(tempfile.gettempdir()) / f"asyncrl-bench-{preset.model}"
     folder = build_model(preset.model, args.model_dir or scratch, preset.device)
     print(f"preset {args.preset}: {asdict(preset)}", flush=True)
     results = {"native": run_worker("native", args, folder)}
-    print(f"native: {results['native']}", flush=True)
-    for variant in GPU_VARIANTS if preset.device == "cuda" else []:
+    print(f"native: {summary(results['native'])}", flush=True)
+    for variant in [] if args.no_variants else variants(preset):
         results[variant] = run_worker(variant, args, folder)
-        print(f"{variant}: {results[variant]}", flush=True)
-    results["parity"] = run_worker("parity", args, folder)
-    print(f"parity: {results['parity']}", flush=True)
+        print(f"{variant}: {summary(results[variant])}", flush=True)
+    if not args.no_parity:
+        results["parity"] = run_worker("parity", args, folder)
+        print(f"parity: {results['parity']}", flush=True)
     if args.vllm_url:
         results["vllm"] = vllm_run(preset, args.vllm_url, args.repeats or preset.repeats)
         print(f"vllm: {results['vllm']}", flush=True)
-    results["hf"] = run_worker("hf", args, folder)
-    print(f"hf: {results['hf']}", flush=True)
+    if preset.hf_repeats:
+        results["hf"] = run_worker("hf", args, folder)
+        print(f"hf: {summary(results['hf'])}", flush=True)
+    if args.output:
+        args.output.write_text(json.dumps(results, indent=2))
+    print_table(args.preset, preset, results, args.bandwidth)
 
-    hf_speed = statistics.median(results["hf"]["tok_s"])
-    print(f"\n{args.preset}: {preset.prompts} prompts x {preset.prompt_len} tokens -> {preset.new_tokens} new tokens")
-    print(f"{'backend':<12} {'tok/s':>10} {'runs':>5} {'TTFT s':>8} {'peak GiB':>9} {'vs HF':>7}")
-    for name in ("native", *GPU_VARIANTS, "vllm", "hf"):
-        if name not in results:
+
+def summary(figures: dict) -> dict:
+    """A worker's figures without the per-sample lengths."""
+    return {key: value for key, value in figures.items() if key not in ("prompt_lens", "sample_lengths")}
+
+
+def print_table(name: str, preset: Preset, results: dict, bandwidth: float) -> None:
+    hf_speed = statistics.median(results["hf"]["tok_s"]) if "hf" in results else None
+    samples = f"{preset.prompts} prompts x {preset.n} samples" if preset.n > 1 else f"{preset.prompts} prompts"
+    spread = f" +- {preset.prompt_spread}" if preset.prompt_spread else ""
+    print(f"\n{name}: {samples}, prompts of {preset.prompt_len}{spread} tokens -> up to {preset.new_tokens} new tokens")
+    bound_header = f" {'bound':>8} {'of bound':>8}" if preset.device == "cuda" else ""
+    print(f"{'backend':<14} {'tok/s':>10} {'runs':>5} {'TTFT s':>8} {'peak GiB':>9} {'vs HF':>7}{bound_header}")
+    for backend in ("native", *GPU_VARIANTS, *RL_VARIANTS, "vllm", "hf"):
+        if backend not in results:
             continue
-        figures = results[name]
+        figures = results[backend]
         speed = statistics.median(figures["tok_s"])
         ttft = "-" if figures["ttft_s"] is None else f"{figures['ttft_s']:.3f}"
         peak = "-" if figures["peak_gib"] is None else f"{figures['peak_gib']:.2f}"
-        print(f"{name:<12} {speed:>10.0f} {len(figures['tok_s']):>5} {ttft:>8} {peak:>9} {speed / hf_speed:>6.1f}x")
-    for dtype, figures in results["parity"].items():
+        ratio = f"{speed / hf_speed:>6.1f}x" if hf_speed else f"{'-':>7}"
+        bound = ""
+        if preset.device == "cuda" and "sample_lengths" in figures:
+            limit = bound_of(figures, bandwidth)
+            bound = f" {limit:>8.0f} {speed / limit:>8.0%}"
+        print(f"{backend:<14} {speed:>10.0f} {len(figures['tok_s']):>5} {ttft:>8} {peak:>9} {ratio}{bound}")
+    native = results["native"]
+    if preset.n > 1:
+        lengths = [length for request in native["sample_lengths"] for length in request]
+        print(
+            f"sample lengths (median run): mean {statistics.mean(lengths):.0f}, min {min(lengths)}, max "
+            f"{max(lengths)}; {native['slots']} KV-cache slots for {len(lengths)} samples"
+        )
+    if preset.device == "cuda":
+        print(
+            f"bound: all weights ({native['weight_bytes'] / 1e9:.2f} GB) and every running sample's keys and "
+            f"values ({native['kv_bytes_per_token'] / 1024:.0f} KiB per token) read once per decoding step at "
+            f"{bandwidth / 1e12:.1f} TB/s"
+        )
+    for dtype, figures in results.get("parity", {}).items():
         print(
             f"parity {dtype}: max |logprob diff| {figures['max_abs_diff']:.2e}, "
             f"mismatch KL {figures['mismatch_kl']:.2e} over {figures['tokens']} tokens"
         )
-    if args.output:
-        args.output.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -221,6 +221,7 @@ def test_bench_times_the_fsdp_step_on_two_ranks_and_prints_its_figures(tiny_mode
     assert "tokens/s | MFU n/a (unknown peak)" in result.stdout
     figures = json.loads(result.stdout.split("bench-json: ")[1].splitlines()[0])
     assert figures["ranks"] == 2 and figures["steps"] == 2 and figures["attention"] == "document"
+    assert figures["row_attention_kernel"] == "sdpa"  # per sample on a CPU
     assert figures["tokens_per_s"] == pytest.approx(2 * 256 / figures["step_time_s"])
     assert figures["peak_memory_gib"] > 0 and figures["mfu"] is None  # no known peak FLOP/s on a CPU
 

@@ -133,3 +133,34 @@ def test_a_captured_graph_replays_for_new_lengths():
     used.copy_(lengths([256, 1, 130, 77]))
     graph.replay()
     assert_close(out, reference(q, keys, values, used), dtype)
+
+
+@pytest.mark.parametrize("split_size", [16, 64])
+def test_rows_that_share_a_prompt_read_it_from_its_slot_exactly_as_their_own_copy(split_size):
+    """Rows 1 and 2 share the 37-token prompt held by slot 0 (their own slots hold NaN there: never read);
+    row 3 reads its own slot only (prefix length 0). The output is bit for bit that of a cache where every
+    row holds its own copy of the prompt, prompt boundaries inside and on the edges of key blocks."""
+    dtype, prompt = torch.float16, 37
+    keys, values = make_cache(slots=4, max_len=64, kv_heads=2, dim=32, dtype=dtype)
+    for slot in (1, 2):  # the copies the shared layout does without
+        keys[slot, :prompt], values[slot, :prompt] = keys[0, :prompt], values[0, :prompt]
+    q = make_queries(4, 4, 32, dtype)
+    used = lengths([40, 64, prompt + 1, 50])
+    copied = decode_attention(q, keys, values, used, context=64, block_n=16, split_size=split_size)
+    for slot in (1, 2):
+        keys[slot, :prompt], values[slot, :prompt] = float("nan"), float("nan")
+    shared = decode_attention(
+        q, keys, values, used, context=64, block_n=16, split_size=split_size,
+        prefix_slots=lengths([0, 0, 0, 3]), prefix_lens=lengths([prompt, prompt, prompt, 0]),
+    )  # fmt: skip
+    assert torch.equal(shared, copied)
+    keys[1:3, :prompt], values[1:3, :prompt] = keys[0, :prompt], values[0, :prompt]
+    assert_close(shared, reference(q, keys, values, used), dtype)
+
+
+def test_prefix_slots_and_lengths_come_together():
+    keys, values = make_cache(slots=1, max_len=16, kv_heads=1, dim=16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="together"):
+        decode_attention(
+            make_queries(1, 1, 16, torch.float32), keys, values, lengths([4]), 16, prefix_slots=lengths([0])
+        )

@@ -108,9 +108,9 @@ def test_samples_of_one_request_share_one_prefill(engine, monkeypatch):
     prefilled = []
     original = engine.runner.prefill
 
-    def prefill(prompts, rows, first_slot):
+    def prefill(prompts, rows, first_slot, holders=None):
         prefilled.append((len(prompts), list(rows)))
-        return original(prompts, rows, first_slot)
+        return original(prompts, rows, first_slot, holders)
 
     monkeypatch.setattr(engine.runner, "prefill", prefill)
     completions = run(engine, n=4, max_tokens=6, seed=5)

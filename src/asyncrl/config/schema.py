@@ -299,6 +299,12 @@ class InferenceConfig(Config):
         description="decoding attention kernel: triton (split-KV), flash (torch's flash attention) or sdpa "
         "(masked); auto: triton, else flash, on a GPU in half precision, sdpa elsewhere",
     )
+    share_prompts: bool = Field(
+        True,
+        description="the samples of a request admitted together keep one copy of their prompt's keys and values, "
+        "which decoding attention reads for all of them (with the triton decoding attention; the others copy it "
+        "into every sample's slot)",
+    )
     num_threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
     weight_transfer: WeightTransferConfig = WeightTransferConfig()
     admin_token: str | None = Field(
@@ -379,8 +385,15 @@ class PerfConfig(Config):
 
     attention: Literal["document", "dense"] = Field(
         "document",
-        description="document: attend within each packed sample only (varlen/flex attention on GPU, per-sample "
-        "sdpa on CPU); dense: transformers' block-diagonal mask over the whole row (model.attn_implementation)",
+        description="document: attend within each packed sample only (kernel: attention_kernel); dense: "
+        "transformers' block-diagonal mask over the whole row (model.attn_implementation)",
+    )
+    attention_kernel: Literal["auto", "cudnn", "flash", "flex", "sdpa"] = Field(
+        "auto",
+        description="document attention's kernel: auto = on a GPU cuDNN for rows that are one document of 4,096+ "
+        "tokens (checked at start; flash where the check fails) and varlen flash for packed rows, sdpa per sample "
+        "on CPU; cudnn = cuDNN for every one-document row; flash = varlen flash for all rows; flex = flex attention "
+        "with a document block mask; sdpa = scaled-dot-product attention per sample",
     )
     activation_checkpointing: Literal["off", "selective", "full"] = Field(
         "off", description="recompute decoder layers in the backward: none, every other layer, or every layer"

@@ -12,6 +12,10 @@ Here ("flash decoding"):
 - The grid is sized from `context`, a host-side upper bound of the lengths, never from the lengths on the
   device: no host sync, and a CUDA graph captured for a context bucket replays for any lengths within it.
   Splits that start past a row's length write a neutral partial (max -inf, sum 0).
+- A shared prompt: row i may read its first `prefix_lens[i]` keys and values from slot `prefix_slots[i]`
+  (the slot that holds the prompt its request's samples share, written once by their prefill) and the rest
+  from its own slot, at the same positions. The rows of one prompt are neighbours in the grid, so their
+  programs read the shared keys close together in time, mostly from L2.
 
 Triton may be absent (`triton_import.py`; `AVAILABLE` says whether it is there).
 """
@@ -43,6 +47,8 @@ if AVAILABLE:
         k_ptr,
         v_ptr,
         used_ptr,
+        prefix_slots_ptr,
+        prefix_lens_ptr,
         out_ptr,
         acc_ptr,
         max_ptr,
@@ -65,10 +71,12 @@ if AVAILABLE:
         DIM: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SINGLE_SPLIT: tl.constexpr,
+        SHARED_PREFIX: tl.constexpr,
     ):
         """Online softmax (base 2, float32) of one row's `GROUP` query heads over one split of its KV head's
         keys. SINGLE_SPLIT: the split is all keys, so normalize and write the output; else write the
-        unnormalized partial output, its max and its sum to the float32 scratch."""
+        unnormalized partial output, its max and its sum to the float32 scratch. SHARED_PREFIX: positions
+        below the row's prefix length are read from its prefix slot."""
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -85,9 +93,15 @@ if AVAILABLE:
             mask=is_query[:, None],
             other=0.0,
         )
-        keys = k_ptr + row64 * stride_k_slot + kv_head * stride_k_head
-        values = v_ptr + row64 * stride_v_slot + kv_head * stride_v_head
+        keys = k_ptr + kv_head * stride_k_head
+        values = v_ptr + kv_head * stride_v_head
         length = tl.load(used_ptr + row)
+        if SHARED_PREFIX:
+            prefix_slot = tl.load(prefix_slots_ptr + row).to(tl.int64)
+            prefix_len = tl.load(prefix_lens_ptr + row)
+        else:  # the row's own slot throughout: its base address once
+            keys += row64 * stride_k_slot
+            values += row64 * stride_v_slot
         start = split * split_size
         end = tl.minimum(start + split_size, length)
 
@@ -98,7 +112,13 @@ if AVAILABLE:
         for first in range(start, end, BLOCK_N):
             positions = first + offsets
             valid = positions < end
-            k = tl.load(keys + positions[:, None] * stride_k_pos + dims[None, :], mask=valid[:, None], other=0.0)
+            if SHARED_PREFIX:
+                slots = tl.where(positions < prefix_len, prefix_slot, row64)
+                block_keys = keys + slots[:, None] * stride_k_slot
+                block_values = values + slots[:, None] * stride_v_slot
+            else:
+                block_keys, block_values = keys, values
+            k = tl.load(block_keys + positions[:, None] * stride_k_pos + dims[None, :], mask=valid[:, None], other=0.0)
             scores = tl.dot(q, tl.trans(k)) * scale_log2
             # Every block holds at least one valid key, so the max below is finite.
             scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -106,7 +126,9 @@ if AVAILABLE:
             rescale = tl.exp2(running_max - new_max)
             weights = tl.exp2(scores - new_max[:, None])
             running_sum = running_sum * rescale + tl.sum(weights, 1)
-            v = tl.load(values + positions[:, None] * stride_v_pos + dims[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(
+                block_values + positions[:, None] * stride_v_pos + dims[None, :], mask=valid[:, None], other=0.0
+            )
             acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v)
             running_max = new_max
 
@@ -183,6 +205,8 @@ def decode_attention(
     out: torch.Tensor | None = None,
     block_n: int = 64,
     split_size: int | None = None,
+    prefix_slots: torch.Tensor | None = None,
+    prefix_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(dim)) v for each row and query head, in q's dtype.
 
@@ -195,6 +219,9 @@ def decode_attention(
     out: [batch, heads, dim] in q's dtype, last dim contiguous; a new tensor when None.
     block_n: keys per inner step, a power of two >= 16 (dim 256 with 128 may not fit shared memory).
     split_size: keys per split, a multiple of block_n; None chooses one (`default_split_size`).
+    prefix_slots, prefix_lens: [batch] integers on q's device, both or neither: row i reads positions below
+    prefix_lens[i] from slot prefix_slots[i] (a shared prompt), the others from slot i. Lengths of 0: own
+    slot only.
     dim: a power of two, 16 to 256. float32 inputs go through tl.dot as tf32 on the GPU.
     """
     if not AVAILABLE:
@@ -216,6 +243,9 @@ def decode_attention(
         out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
     if any(t.stride(-1) != 1 for t in (q, keys, values, out)):
         raise ValueError("q, keys, values and out need a contiguous last (head) dim")
+    shared = prefix_slots is not None
+    if shared != (prefix_lens is not None):
+        raise ValueError("give prefix_slots and prefix_lens together")
     if split_size is None:
         split_size = default_split_size(batch * kv_heads, context, block_n, q.device)
     elif split_size % block_n:
@@ -233,6 +263,8 @@ def decode_attention(
         keys,
         values,
         used,
+        prefix_slots if shared else used,  # unread without SHARED_PREFIX
+        prefix_lens if shared else used,
         out,
         acc,
         maximum,
@@ -255,6 +287,7 @@ def decode_attention(
         DIM=dim,
         BLOCK_N=block_n,
         SINGLE_SPLIT=single,
+        SHARED_PREFIX=shared,
         num_warps=4,
         num_stages=2,
     )

@@ -5,7 +5,9 @@ the weights while a forward pass runs. Between two steps it runs the commands ot
 (pause, resume, load new weights); then, unless paused, it runs one step:
 
 1. the scheduler admits waiting samples into free KV-cache slots (`scheduler.py`);
-2. the model runner prefills their prompts, once per request, and the first token of each is sampled;
+2. the model runner prefills their prompts, once per request, and the first token of each is sampled
+   (with the Triton decoding attention the samples of a request then share one copy of the prompt's keys
+   and values in the cache: `shared_prompts.py`);
 3. one decoding step runs for every sample in the batch (`model_runner.py`, a CUDA graph on GPU);
 4. tokens are sampled on the device (`sampling.py`), recorded, and finished samples free their slots.
 
@@ -20,7 +22,7 @@ Other threads talk to it through `generate`, `pause`, `resume` and `update_weigh
 `concurrent.futures.Future`s. A weight update lands between two steps: samples in flight continue with the
 new weights (their KV cache of earlier tokens stays as the old weights made it) and every token records the
 policy version that produced it. Nothing computed under old weights is reused for a new request: each
-request prefills its own prompt.
+request prefills its own prompt (its samples share it only among themselves).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from asyncrl.inference.model_runner import ModelRunner, check_supported
 from asyncrl.inference.sampling import HostCopy, SampledTokens, SamplingBatch, sample, sample_fused
 from asyncrl.inference.scheduler import Scheduler
 from asyncrl.inference.sequence import Completion, GenerationRequest, PendingRequest, Sequence, TokenCallback
+from asyncrl.inference.shared_prompts import SharedPrompts
 from asyncrl.loading import load_model, load_tokenizer, resolve_device
 from asyncrl.transport.weights import load_state_dict
 
@@ -117,8 +120,16 @@ class Engine:
         self.cache = self._allocate_cache()
         compile_decoding = cfg.compile and self.device.type == "cuda"
         self.runner = ModelRunner(
-            self.model, self.cache, cfg.cuda_graphs, compile=compile_decoding, attention=cfg.decode_attention
+            self.model,
+            self.cache,
+            cfg.cuda_graphs,
+            compile=compile_decoding,
+            attention=cfg.decode_attention,
+            share_prompts=cfg.share_prompts,
         )
+        # Which slot holds each shared prompt; None where every sample holds its own copy.
+        self.shared_prompts = SharedPrompts() if self.runner.shares_prompts else None
+        self._prefix_rows: tuple[int, tuple[list[int], list[int]]] | None = None  # by scheduler version
         self.runner.warm_up()
         self.sampling_kernels = (
             self.device.type == "cuda" and sampling_kernel.AVAILABLE and self._sampling_kernels_work()
@@ -338,6 +349,8 @@ class Engine:
             self._inflight = None
             with self._wakeup:
                 failed = self.scheduler.clear()
+            if self.shared_prompts is not None:
+                self.shared_prompts.clear()
             log.exception("generation step failed; failing the %d samples of the batch", len(failed))
             for sequence in failed:
                 sequence.request.fail(AsyncRLError(f"generation failed: {type(error).__name__}: {error}"))
@@ -350,7 +363,7 @@ class Engine:
         if running:
             tokens = [sequence.token_ids[-1] for sequence in running]
             positions = [sequence.num_tokens - 1 for sequence in running]
-            logits = self.runner.decode(tokens, positions)
+            logits = self.runner.decode(tokens, positions, *self._running_prefixes())
             self._inflight = self._launch(list(running), logits, self._running_sampling(), max(positions) + 1)
 
     def _step_ahead(self) -> None:
@@ -379,11 +392,25 @@ class Engine:
                 request.started = True
                 self.prompt_tokens += len(request.request.prompt_ids)
         first_slot = len(self.scheduler.running) - len(admitted)
-        logits = self.runner.prefill([request.request.prompt_ids for request in requests], rows, first_slot)
+        holders = None
+        if self.shared_prompts is not None:
+            holding = set(self.shared_prompts.admit(admitted))
+            holders = [sequence in holding for sequence in admitted]
+        prompts = [request.request.prompt_ids for request in requests]
+        logits = self.runner.prefill(prompts, rows, first_slot, holders)
         if rows != list(range(len(requests))):
             logits = logits[torch.tensor(rows, device=logits.device)]
         params = SamplingBatch.of([sequence.params for sequence in admitted], self.device)
         self._finish(self._launch(admitted, logits, params, context=0))
+
+    def _running_prefixes(self) -> tuple[list[int] | None, list[int] | None]:
+        """Per running row: the slot holding its prompt and how many positions to read there (`decode`)."""
+        if self.shared_prompts is None:
+            return None, None
+        version = self.scheduler.version
+        if self._prefix_rows is None or self._prefix_rows[0] != version:
+            self._prefix_rows = (version, self.shared_prompts.rows(self.scheduler.running))
+        return self._prefix_rows[1]
 
     def _running_sampling(self) -> SamplingBatch:
         version = self.scheduler.version
@@ -437,17 +464,22 @@ class Engine:
                 leaving.append(sequence)
         if not leaving:
             return
+        if self.shared_prompts is not None:
+            # A leaving sample that holds its group's prompt hands it on before any slot is overwritten.
+            for copy in self.shared_prompts.leave(set(leaving), self.scheduler.running):
+                self.cache.move(copy.source, copy.target, copy.length)
         with self._wakeup:
             moves = self.scheduler.release(leaving)
         for move in moves:
-            self.cache.move(move.source, move.target, move.sequence.num_tokens)
+            start = self.shared_prompts.shared_length(move.sequence) if self.shared_prompts is not None else 0
+            self.cache.move(move.source, move.target, move.sequence.num_tokens, start)
         for sequence in leaving:
             if sequence.finish_reason is not None:
                 sequence.request.sequence_finished()
 
     def _finish_reason(self, sequence: Sequence, token: int) -> str | None:
         request = sequence.params
-        if (token in self.eos_token_ids and not request.ignore_eos) or token in request.stop_token_ids:
+        if (token in self.eos_token_ids and not request.ignore_eos) or token in sequence.request.stop_token_ids:
             return "stop"
         if request.stop and self._ends_with_stop_string(sequence.token_ids, request.stop):
             return "stop"

@@ -56,7 +56,7 @@ class KVCache:
     def total_tokens(self) -> int:
         return self.num_slots * self.max_len
 
-    def move(self, source: int, target: int, length: int) -> None:
-        """Copy the first `length` positions of slot `source` into slot `target`, in every layer."""
-        self.keys[:, target, :length] = self.keys[:, source, :length]
-        self.values[:, target, :length] = self.values[:, source, :length]
+    def move(self, source: int, target: int, length: int, start: int = 0) -> None:
+        """Copy positions [start, length) of slot `source` into slot `target`, in every layer."""
+        self.keys[:, target, start:length] = self.keys[:, source, start:length]
+        self.values[:, target, start:length] = self.values[:, source, start:length]

@@ -39,6 +39,7 @@ from asyncrl.inference.decode_attention import AVAILABLE as TRITON_DECODE
 from asyncrl.inference.decode_attention import decode_attention
 from asyncrl.inference.decode_heads import decode_heads
 from asyncrl.inference.kv_cache import KVCache
+from asyncrl.inference.triton_import import INTERPRETED
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
 
@@ -88,11 +89,12 @@ def decode_attention_kernel(choice: str, device: torch.device, dtype: torch.dtyp
     """The decoding attention kernel for `inference.decode_attention`: "triton" (`decode_attention.py`),
     "flash" (torch's flash attention, `seqused_k`) or "sdpa" (scaled-dot-product attention under a mask).
     "auto": triton, else flash, on a GPU in half precision; sdpa elsewhere (CPU, or float32, where the others
-    would multiply in lower precision)."""
+    would multiply in lower precision). Under Triton's interpreter "triton" runs on CPU tensors too (tests)."""
     gpu_half = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     available = {"triton": gpu_half and TRITON_DECODE, "flash": gpu_half and FLASH_DECODE is not None, "sdpa": True}
     if choice == "auto":
         return next(kernel for kernel, ok in available.items() if ok)
+    available["triton"] = available["triton"] or INTERPRETED
     if not available[choice]:
         needs = "triton" if choice == "triton" else "a torch whose flash attention takes seqused_k"
         raise AsyncRLError(
@@ -228,10 +230,18 @@ def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
 
 class ModelRunner:
     def __init__(
-        self, model: nn.Module, cache: KVCache, cuda_graphs: bool, compile: bool = False, attention: str = "auto"
+        self,
+        model: nn.Module,
+        cache: KVCache,
+        cuda_graphs: bool,
+        compile: bool = False,
+        attention: str = "auto",
+        share_prompts: bool = False,
     ):
         """`compile`: fuse the decoding step's elementwise work with torch.compile (`DecodeOps.compiled`).
-        `attention`: the decoding attention kernel (`decode_attention_kernel`)."""
+        `attention`: the decoding attention kernel (`decode_attention_kernel`). `share_prompts`: with the
+        Triton kernel, rows may read their prompt from another slot (`shares_prompts`; `decode`'s prefix
+        arguments, `prefill`'s `holders`)."""
         config = model.config
         check_supported(config)
         self.model = model
@@ -268,6 +278,11 @@ class ModelRunner:
         self.packed: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
         self._pack_weights()
         self.attention = decode_attention_kernel(attention, self.device, cache.keys.dtype)
+        # Only the Triton kernel reads a row's prompt from another slot; the others need it in the row's own.
+        self.shares_prompts = share_prompts and self.attention == "triton"
+        # Per row: the slot holding its prompt and the positions read from there (0: its own slot only).
+        self.prefix_slots = torch.zeros(cache.num_slots, dtype=torch.int32, device=self.device)
+        self.prefix_lens = torch.zeros(cache.num_slots, dtype=torch.int32, device=self.device)
         # Flash attention's view of the batch: row i's `group` queries (`flash_decode`) start at i x group, its
         # keys at slot i's first position.
         slots = torch.arange(cache.num_slots + 1, dtype=torch.int32, device=self.device)
@@ -341,8 +356,11 @@ class ModelRunner:
             (attention.q_norm.weight.expand(self.num_heads, -1), attention.k_norm.weight.expand(self.num_kv_heads, -1))
         )
 
-    def prefill(self, prompts: list[list[int]], rows: list[int], first_slot: int) -> torch.Tensor:
-        """Run `prompts` and store their keys and values: slot `first_slot + j` gets prompt `rows[j]`.
+    def prefill(
+        self, prompts: list[list[int]], rows: list[int], first_slot: int, holders: list[bool] | None = None
+    ) -> torch.Tensor:
+        """Run `prompts` and store their keys and values: slot `first_slot + j` gets prompt `rows[j]`, or
+        with `holders` only the slots j where holders[j] (the others read their prompt from there).
         Returns the logits after each prompt's last token, [len(prompts), vocab].
 
         The prompts' tokens go through the layers as one [prompts x width] batch of rows, as decoding's
@@ -352,6 +370,14 @@ class ModelRunner:
         input_ids = torch.tensor([prompt + [0] * (width - len(prompt)) for prompt in prompts]).to(self.device)
         slots = slice(first_slot, first_slot + len(rows))
         gather = None if rows == list(range(count)) else torch.tensor(rows, device=self.device)
+        if holders is not None and not all(holders):
+            written = [j for j, holds in enumerate(holders) if holds]
+            slots = torch.tensor([first_slot + j for j in written], device=self.device)
+            gather = (
+                None
+                if [rows[j] for j in written] == list(range(count))
+                else slots.new_tensor([rows[j] for j in written])
+            )
         positions = torch.arange(width, device=self.device).repeat(count)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         x = F.embedding(input_ids.flatten(), self.model.get_input_embeddings().weight)  # [count x width, hidden]
@@ -377,19 +403,32 @@ class ModelRunner:
         last = torch.tensor([row * width + length - 1 for row, length in enumerate(lengths)], device=self.device)
         return self._layer_linear(h[last], self.model.get_output_embeddings())
 
-    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+    def decode(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        prefix_slots: list[int] | None = None,
+        prefix_lens: list[int] | None = None,
+    ) -> torch.Tensor:
         """Feed token i at position i of slot i, for the running slots [0, len(tokens)); returns the logits
-        [len(tokens), vocab]."""
+        [len(tokens), vocab]. With `shares_prompts`, row i reads its first prefix_lens[i] positions from slot
+        prefix_slots[i] (default: none, all from its own slot)."""
         count = len(tokens)
         context = max(positions) + 1
         batch = bucket(count, self.cache.num_slots) if self.graphs is not None else count
         # Padding rows decode token 0 at position 0 of free slots: harmless, the next prefill overwrites it.
         padding = [0] * (batch - count)
-        inputs = torch.tensor([tokens + padding, positions + padding])
+        rows = [tokens + padding, positions + padding]
+        if self.shares_prompts:
+            rows += [(prefix_slots or [0] * count) + padding, (prefix_lens or [0] * count) + padding]
+        inputs = torch.tensor(rows)
         if self.device.type == "cuda":
             inputs = inputs.pin_memory()  # so that the copy does not wait for the device's queued work
         self.tokens[:batch].copy_(inputs[0], non_blocking=True)
         self.positions[:batch].copy_(inputs[1], non_blocking=True)
+        if self.shares_prompts:
+            self.prefix_slots[:batch].copy_(inputs[2], non_blocking=True)
+            self.prefix_lens[:batch].copy_(inputs[3], non_blocking=True)
         return self._run_step(count, batch, context)
 
     def decode_next(self, tokens: torch.Tensor, context: int) -> torch.Tensor:
@@ -434,7 +473,10 @@ class ModelRunner:
                 # One kernel: q/k norms, rotary at each row's position, k and v written into the cache.
                 norm = self._qk_norm(index)
                 q = decode_heads(qkv, *norm, self.cos, self.sin, positions, keys, values, self.num_heads)
-                attention = decode_attention(q, keys, values, used, context)
+                prefix = {}
+                if self.shares_prompts:
+                    prefix = {"prefix_slots": self.prefix_slots[:batch], "prefix_lens": self.prefix_lens[:batch]}
+                attention = decode_attention(q, keys, values, used, context, **prefix)
             else:
                 q, k, v = self.ops.split_heads(qkv, *self._qk_norm(index), cos, sin, self.num_heads, self.head_dim)
                 keys[rows, positions] = k

@@ -50,6 +50,7 @@ class PendingRequest:
 
     def __init__(self, request: GenerationRequest, seeds: list[int], on_token: TokenCallback | None = None):
         self.request = request
+        self.stop_token_ids = frozenset(request.stop_token_ids)  # checked for every sampled token
         self.on_token = on_token
         self.future: Future[list[Completion]] = Future()
         self.sequences = [Sequence(self, index, seed) for index, seed in enumerate(seeds)]

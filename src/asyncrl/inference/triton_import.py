@@ -5,6 +5,8 @@ the kernels are defined) the kernels run on CPU tensors: how the unit tests chec
 
 from __future__ import annotations
 
+import os
+
 try:
     import triton
     import triton.language as tl
@@ -12,5 +14,6 @@ except ImportError:
     triton = tl = None
 
 AVAILABLE = triton is not None
+INTERPRETED = AVAILABLE and os.environ.get("TRITON_INTERPRET") == "1"
 
-__all__ = ["AVAILABLE", "tl", "triton"]
+__all__ = ["AVAILABLE", "INTERPRETED", "tl", "triton"]

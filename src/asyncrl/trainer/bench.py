@@ -85,6 +85,7 @@ def run_bench(cfg: TrainerConfig) -> int:
             )
         model = prepare_model(model, cfg.perf)
         document_lengths = [cfg.seq_len // cfg.bench.documents] * cfg.bench.documents
+        kernel = model.attention_kernels.for_row(document_lengths) if cfg.perf.attention == "document" else "dense"
         step_flops = training_flops(model, document_lengths) * cfg.bench.micro_batches * world.world_size
         parameters = sum(p.numel() for p in model.parameters())
         model = parallelize(model, world.world_size, world.device, cfg.model.dtype, cfg.perf)
@@ -126,6 +127,7 @@ def run_bench(cfg: TrainerConfig) -> int:
             "dtype": cfg.model.dtype,
             **cfg.perf.model_dump(),
             "fsdp_unit": fsdp_unit(world.world_size, cfg.perf),  # "auto" resolved
+            "row_attention_kernel": kernel,  # what perf.attention_kernel runs these rows with
             "tokens_per_s": step_tokens / step_time,
             "mfu": step_flops / step_time / (peak * world.world_size) if peak else None,
             "step_time_s": step_time,
@@ -138,7 +140,7 @@ def run_bench(cfg: TrainerConfig) -> int:
             print(
                 f"bench: {cfg.bench.loss} loss, {world.world_size} rank(s) on {result['device']}, "
                 f"{parameters / 1e6:.1f}M parameters, seq_len {cfg.seq_len} = {cfg.bench.documents} x "
-                f"{document_lengths[0]}, {cfg.bench.micro_batches} row(s)/rank/step\n"
+                f"{document_lengths[0]}, {cfg.bench.micro_batches} row(s)/rank/step, attention kernel {kernel}\n"
                 f"bench: {result['tokens_per_s']:.0f} tokens/s | MFU {mfu} | step {step_time:.3f} s | "
                 f"{memory_name} {memory:.2f} GiB (rank 0) | CPU time {result['cpu_time_s']:.3f} s (rank 0) | "
                 f"median of {len(times)} steps after "

@@ -192,7 +192,7 @@ def compute_logprobs(
     is what gathers the embeddings, final norm and LM head, and it leaves them gathered for the backward,
     so `lm_head.weight` below is the full (unsharded) weight.
     """
-    # use_cache=False: only then does transformers keep packed samples apart (NOTES.md).
+    # use_cache=False: only then does transformers keep packed samples apart.
     output = model(
         input_ids=input_ids[None],
         position_ids=position_ids[None],

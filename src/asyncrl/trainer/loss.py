@@ -1,4 +1,4 @@
-"""The RL losses (DESIGN.md "The default loss"; formulas of all in docs/loss.md); logprobs: logprobs.py.
+"""The RL losses (their formulas in docs/loss.md); logprobs: logprobs.py.
 
 Every stream is aligned with `input_ids`: stream[t] describes token t. The logits that predict token t
 come from position t - 1, so position 0 of a row (and of each packed sample) has no logprob of its own;

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from asyncrl.config.schema import ModelConfig, OptimConfig, PerfConfig
 from asyncrl.errors import AsyncRLError
 from asyncrl.loading import load_model
-from asyncrl.trainer.attention import DOCUMENT_ATTENTION
+from asyncrl.trainer.attention import DOCUMENT_ATTENTION, model_kernels
 from asyncrl.trainer.logprobs import defer_lm_head
 from asyncrl.trainer.lora import apply_lora
 
@@ -34,10 +34,14 @@ def setup_model(model_cfg: ModelConfig, device: torch.device, perf: PerfConfig) 
 
 
 def prepare_model(model: PreTrainedModel, perf: PerfConfig) -> PreTrainedModel:
-    """Make a loaded model a trained one: no KV cache, the chosen attention, an LM head applied in chunks."""
-    model.config.use_cache = False  # packed rows need it (NOTES.md), and training never reuses a cache
+    """Make a loaded model a trained one: no KV cache, the chosen attention and its kernels (for the device
+    the model is on), an LM head applied in chunks."""
+    # Packed rows need it (transformers keeps packed samples apart only without a cache), and training never
+    # reuses a cache.
+    model.config.use_cache = False
     if perf.attention == "document":
         model.set_attn_implementation(DOCUMENT_ATTENTION)
+        model.attention_kernels = model_kernels(model, perf.attention_kernel)  # read by `attention_kwargs`
     defer_lm_head(model)
     model.train()
     return model

@@ -1,10 +1,21 @@
 """Training throughput figures: tokens/s and MFU (model FLOPs utilization).
 
-MFU counts the FLOPs the model needs, not those the step spends: 6 x N x tokens for the matrix
-multiplications (N: parameters used as matmul weights; forward 2N, backward 4N per token) plus attention,
-12 x layers x query heads x head_dim per (query, key) pair inside each document's causal triangle.
-Recomputation by activation checkpointing is not counted. Divided by step time and by the devices' peak
-dense bf16 FLOP/s (datasheet), so figures compare with other trainers' MFU.
+MFU counts the FLOPs the model needs, not those the step spends:
+
+    FLOPs of a row = 6 x N x tokens + 12 x layers x query heads x head_dim x sum over its documents of n(n+1)/2
+
+N is the parameters that multiply activations (all of them but an input embedding that is only looked up; a
+tied embedding is the LM head's weight and counts once): 2N per token forward, 4N backward. Attention takes
+two matrix products of 2 x head_dim FLOPs per (query, key) pair and query head forward and twice that
+backward, 12 x head_dim in all, over the pairs inside each document's causal triangle. Recomputation
+(activation checkpointing, attention kernels' own) is not counted. MFU = FLOPs of a step / step time /
+(devices x peak dense bf16 FLOP/s of the datasheet).
+
+prime-rl's trainer counts 6 x (its matmul weights) per token plus 12 x layers x heads x (hidden / heads) x
+document length per token (the whole square, "no sparsity in causal attention"). For Qwen3-0.6B, whose
+head_dim (128) is twice hidden / heads (64), the two agree within 0.02%, so our MFU on its published rows is
+its published MFU (tests/unit/test_perf.py); for a model with head_dim = hidden / heads theirs counts twice
+our attention FLOPs.
 """
 
 from __future__ import annotations
