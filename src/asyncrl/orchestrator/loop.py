@@ -85,7 +85,7 @@ def log_samples(batch: Batch, log: JsonlWriter, count: int) -> None:
                 "step": batch.step,
                 "group": group.index,
                 "env": group.label,
-                "prompt": r.example.prompt[-1]["content"],
+                "prompt": r.example.prompt[-1]["content"] if r.example.prompt else "",
                 "completion": r.completion_text,
                 "answer": r.example.answer,
                 "reward": r.reward,
