@@ -26,7 +26,7 @@ Config files are layered left to right ('@ a.toml @ b.toml'), then dotted flags 
 ('--trainer.optim.lr 1e-5'). 'asyncrl rl --dry-run' prints the resolved configs and starts nothing;
 'asyncrl rl --clean' replaces an earlier run in the same output_dir; '--resume' (rl, sft) continues it
 from its newest complete checkpoint, '--resume.step N' from step N (docs/checkpoints.md). Every key, with
-its default and meaning: docs/config.md. Example: asyncrl rl @ examples/reverse_text/rl.toml
+its type, default and meaning: 'asyncrl COMMAND --help', or docs/config.md. Example: asyncrl rl @ examples/reverse_text/rl.toml
 """
 
 
@@ -116,8 +116,10 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE)
         return
     command, rest = argv[0], argv[1:]
-    if rest and rest[0] in ("-h", "--help") and command != "model":
-        print(USAGE)
+    if any(arg in ("-h", "--help") for arg in rest) and command not in ("model", "dashboard", "plot"):
+        from asyncrl.config.reference import COMMANDS, help_text
+
+        print(help_text(command) if command in COMMANDS else USAGE)
         return
     try:
         code = _run(command, rest)

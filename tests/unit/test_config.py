@@ -132,3 +132,17 @@ def test_config_reference_in_docs_is_up_to_date():
 
     docs = Path(__file__).resolve().parents[2] / "docs" / "config.md"
     assert docs.read_text() == render(), "run: python -m asyncrl.config.reference > docs/config.md"
+
+
+def test_help_lists_every_key_with_its_type_default_and_meaning(capsys):
+    from asyncrl.cli import main
+
+    main(["sft", "--help"])
+    text = capsys.readouterr().out
+    assert "--optim.lr float (default: 0.002)" in text  # sft's own section default, not OptimConfig's 1e-5
+    assert '--model.dtype "float32" | "bfloat16" (default: float32)' in text
+    assert "AdamW peak learning rate" in text
+    main(["rl", "--max-steps", "3", "--help"])
+    text = capsys.readouterr().out
+    assert "--trainer.optim.lr float (default: 1e-05)" in text
+    assert "--orchestrator.environments.<label>.weight float (default: 1.0)" in text
