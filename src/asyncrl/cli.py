@@ -21,6 +21,8 @@ commands:
   eval          avg@n / pass@k of environments against a model folder or a served model (docs/evals.md)
   env-server    run environments' respond() and rewards in worker processes (docs/environments.md)
   model init    build a small model and byte-level tokenizer offline
+  dashboard     a local web page of runs: live charts, configs, logs, rollouts ('asyncrl dashboard outputs')
+  plot          PNG plots of runs' standard curves ('asyncrl plot RUN [RUN ...] --out DIR')
 
 Config files are layered left to right ('@ a.toml @ b.toml'), then dotted flags override them
 ('--trainer.optim.lr 1e-5'). 'asyncrl rl --dry-run' prints the resolved configs and starts nothing;
@@ -45,6 +47,39 @@ def _model_init(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     count = init_model(args.output, args.preset, args.seed, args.architecture)
     print(f"wrote {args.preset} {args.architecture} model ({count / 1e6:.2f}M parameters) to {args.output}")
+
+
+def _dashboard(argv: list[str]) -> int:
+    from asyncrl.dashboard.app import serve
+
+    parser = argparse.ArgumentParser(
+        prog="asyncrl dashboard",
+        description="A local web page of runs: live charts of metrics.jsonl, resolved configs, log tails and "
+        "a rollout viewer of samples.jsonl. Select several runs to compare them.",
+    )
+    parser.add_argument(
+        "runs", nargs="*", type=Path, default=[Path("outputs")],
+        help="run folders (output_dir), or folders holding runs (default: outputs)",
+    )  # fmt: skip
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    parser.add_argument("--port", type=int, default=8265, help="port to bind; 0 picks a free one (default: 8265)")
+    args = parser.parse_args(argv)
+    return serve(args.runs, args.host, args.port)
+
+
+def _plot(argv: list[str]) -> int:
+    from asyncrl.plot import plot_runs
+
+    parser = argparse.ArgumentParser(
+        prog="asyncrl plot",
+        description="PNG plots of the standard curves of one or more runs (several runs share each plot).",
+    )
+    parser.add_argument("runs", nargs="+", type=Path, help="run folders (each with a metrics.jsonl)")
+    parser.add_argument("--out", type=Path, required=True, help="folder to write the PNGs to")
+    args = parser.parse_args(argv)
+    for path in plot_runs(args.runs, args.out):
+        print(path)
+    return 0
 
 
 def _redirect_rank_output() -> None:
@@ -103,6 +138,10 @@ def _run(command: str, argv: list[str]) -> int | None:
         from asyncrl.trainer.sft import train_sft
 
         return train_sft(cfg.load(cfg.SFTConfig, argv)[0])
+    if command == "dashboard":
+        return _dashboard(argv)
+    if command == "plot":
+        return _plot(argv)
     if command == "model":
         if not argv or argv[0] != "init":
             raise AsyncRLError("usage: asyncrl model init --output DIR [--preset small]")
