@@ -29,6 +29,7 @@ from asyncrl.config import InferenceConfig, OrchestratorConfig, RLConfig, Traine
 from asyncrl.config.schema import ResumeConfig
 from asyncrl.errors import AsyncRLError
 from asyncrl.loading import check_model_name
+from asyncrl.trackers import Trackers
 
 console = Console(stderr=False, highlight=False)
 
@@ -216,69 +217,102 @@ class ChildFailed(Exception):
 
 
 class Progress:
-    """The live view: latest trainer and orchestrator metrics, read from metrics.jsonl."""
+    """The live view, read from metrics.jsonl: what the trainer has trained and what the orchestrator has
+    generated, side by side. They differ: with max_async_level >= 1 the orchestrator generates batch n + 1
+    while the trainer trains on batch n, so the newest batch's reward is not the reward of the batch the
+    trainer just stepped on. The lines read are also handed to the run's experiment trackers, if any."""
 
-    def __init__(self, metrics_path: Path, max_steps: int):
+    def __init__(self, metrics_path: Path, max_steps: int, trackers: Trackers | None = None):
         self.path = metrics_path
+        self.samples_path = metrics_path.with_name("samples.jsonl")
         self.max_steps = max_steps
+        self.trackers = trackers
         self.start = time.time()
-        self.latest: dict[str, dict] = {}
-        self.offset = 0
+        self.trainer: dict = {}
+        self.batch: dict = {}  # the newest batch's line
+        self.batch_rewards: dict[int, float] = {}
+        self.offsets = {self.path: 0, self.samples_path: 0}
         self.printed_step = 0
 
-    def refresh(self) -> None:
-        """Read the lines appended since the last refresh (whole lines only)."""
-        if not self.path.exists():
-            return
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
+    def _read_new(self, path: Path) -> list[dict]:
+        """The lines appended since the last read (whole lines only)."""
+        if not path.exists():
+            return []
+        with open(path, "rb") as f:
+            f.seek(self.offsets[path])
             chunk = f.read()
         complete = chunk[: chunk.rfind(b"\n") + 1]
-        self.offset += len(complete)
-        for line in complete.decode().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                self.latest[record["source"]] = record
+        self.offsets[path] += len(complete)
+        return [json.loads(line) for line in complete.decode().splitlines() if line.strip()]
+
+    def refresh(self) -> None:
+        for record in self._read_new(self.path):
+            if record["source"] == "trainer":
+                self.trainer = record
+            elif record["source"] == "orchestrator" and "reward/mean" in record:  # a batch, not an eval
+                self.batch = record
+                self.batch_rewards[record["step"]] = record["reward/mean"]
+            if self.trackers is not None:
+                self.trackers.log(record)
+        if self.trackers is not None:
+            self.trackers.log_samples(self._read_new(self.samples_path))
+
+    def close(self) -> None:
+        self.refresh()
+        if self.trackers is not None:
+            self.trackers.close()
+
+    def _figures(self) -> dict[str, str]:
+        step, batch = self.trainer.get("step", 0), self.batch.get("step", 0)
+        elapsed = time.time() - self.start
+        eta = elapsed / step * (self.max_steps - step) if step else None
+        return {
+            "trained": f"{step}/{self.max_steps}",
+            "reward": f"{self.batch_rewards.get(step, float('nan')):.3f}",
+            "loss": f"{self.trainer.get('loss', float('nan')):.4f}",
+            "mismatch_kl": f"{self.trainer.get('mismatch_kl', float('nan')):.2e}",
+            "train": f"{self.trainer.get('perf/tokens_per_s', 0):.0f}",
+            "batch": str(batch),
+            "batch reward": f"{self.batch.get('reward/mean', float('nan')):.3f}",
+            "generate": f"{self.batch.get('perf/generate_tokens_per_s', 0):.0f}",
+            "elapsed": f"{elapsed:.0f}s",
+            "eta": "?" if eta is None else f"{eta:.0f}s",
+        }
 
     def line(self) -> str:
-        orch, train = self.latest.get("orchestrator", {}), self.latest.get("trainer", {})
+        f = self._figures()
         return (
-            f"step {train.get('step', 0)}/{self.max_steps}  "
-            f"reward {orch.get('reward/mean', float('nan')):.3f} (batch {orch.get('step', 0)})  "
-            f"train {train.get('perf/tokens_per_s', 0):.0f} tok/s  "
-            f"generate {orch.get('perf/generate_tokens_per_s', 0):.0f} tok/s  "
-            f"mismatch_kl {train.get('mismatch_kl', float('nan')):.2e}  "
-            f"elapsed {time.time() - self.start:.0f}s"
+            f"trained step {f['trained']} (its batch: reward {f['reward']}; loss {f['loss']}, "
+            f"mismatch_kl {f['mismatch_kl']}, {f['train']} tok/s)  |  newest batch generated: {f['batch']} "
+            f"(reward {f['batch reward']}, {f['generate']} tok/s)  |  elapsed {f['elapsed']}, ETA {f['eta']}"
         )
 
     def table(self) -> Table:
-        orch, train = self.latest.get("orchestrator", {}), self.latest.get("trainer", {})
-        table = Table(title="asyncrl rl", show_header=True)
-        for column in (
-            "trainer step",
-            "batch",
-            "reward",
-            "train tok/s",
-            "generate tok/s",
-            "loss",
-            "mismatch_kl",
-            "elapsed",
-        ):
-            table.add_column(column, justify="right")
-        table.add_row(
-            f"{train.get('step', 0)}/{self.max_steps}",
-            str(orch.get("step", 0)),
-            f"{orch.get('reward/mean', float('nan')):.3f}",
-            f"{train.get('perf/tokens_per_s', 0):.0f}",
-            f"{orch.get('perf/generate_tokens_per_s', 0):.0f}",
-            f"{train.get('loss', float('nan')):.4f}",
-            f"{train.get('mismatch_kl', float('nan')):.2e}",
-            f"{time.time() - self.start:.0f}s",
+        f = self._figures()
+        table = Table(
+            title="asyncrl rl",
+            caption="the orchestrator generates the next batches while the trainer trains on an earlier one",
+            show_header=True,
         )
+        columns = {
+            "trained step": "trained",
+            "its batch's reward": "reward",
+            "loss": "loss",
+            "mismatch_kl": "mismatch_kl",
+            "train tok/s": "train",
+            "newest batch": "batch",
+            "newest batch's reward": "batch reward",
+            "generate tok/s": "generate",
+            "elapsed": "elapsed",
+            "ETA": "eta",
+        }
+        for column in columns:
+            table.add_column(column, justify="right")
+        table.add_row(*(f[key] for key in columns.values()))
         return table
 
     def new_step(self) -> bool:
-        step = self.latest.get("trainer", {}).get("step", 0)
+        step = self.trainer.get("step", 0)
         if step > self.printed_step:
             self.printed_step = step
             return True
@@ -318,8 +352,8 @@ def supervise(children: list[Child], progress: Progress) -> None:
                 return
             time.sleep(0.5)
     finally:
+        progress.close()
         if live:
-            progress.refresh()
             live.update(progress.table())
             live.stop()
 
@@ -417,7 +451,9 @@ def run_rl(cfg: RLConfig, dry_run: bool = False, clean: bool = False) -> int:
             )
         )
         console.print(f"started orchestrator and {cfg.deployment.trainer_ranks} trainer rank(s); logs in {logs}")
-        supervise(children, Progress(output_dir / "metrics.jsonl", cfg.max_steps))
+        resolved = cfg.model_dump(mode="json") | {name: c.model_dump(mode="json") for name, c in configs.items()}
+        trackers = Trackers.open(cfg.wandb, cfg.tensorboard, output_dir, resolved)
+        supervise(children, Progress(output_dir / "metrics.jsonl", cfg.max_steps, trackers))
         # The orchestrator ends by itself after its last batch: let it finish logging and checkpointing it.
         try:
             next(c for c in children if c.name == "orchestrator").process.wait(timeout=60)

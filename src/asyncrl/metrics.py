@@ -10,7 +10,10 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncrl.trackers import Trackers
 
 
 class JsonlWriter:
@@ -28,14 +31,19 @@ class JsonlWriter:
 
 
 class MetricsLogger(JsonlWriter):
-    """Writes `{"step", "source", "time", ...metrics}` lines to `<output_dir>/metrics.jsonl`."""
+    """Writes `{"step", "source", "time", ...metrics}` lines to `<output_dir>/metrics.jsonl`, and to the
+    experiment trackers where this process holds them (docs/metrics.md lists the names)."""
 
-    def __init__(self, output_dir: Path, source: str):
+    def __init__(self, output_dir: Path, source: str, trackers: Trackers | None = None):
         super().__init__(Path(output_dir) / "metrics.jsonl")
         self.source = source
+        self.trackers = trackers
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        self.write({"step": step, "source": self.source, "time": time.time(), **metrics})
+        record = {"step": step, "source": self.source, "time": time.time(), **metrics}
+        self.write(record)
+        if self.trackers is not None:
+            self.trackers.log(record)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

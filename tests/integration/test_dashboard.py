@@ -1,6 +1,5 @@
 """Seeing a run: the dashboard in a real Chromium, `asyncrl plot`, and the metric registry, on the files of a
-real tiny `asyncrl rl` run. Its samples.jsonl gets token-level lines made by the orchestrator's sample_log
-from real rollouts (reverse_text, and the multi-turn wordle) played against a real `asyncrl inference`."""
+real tiny `asyncrl rl` run (the `runs` fixture, conftest.py)."""
 
 from __future__ import annotations
 
@@ -14,40 +13,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from rl_runs import run_rl
-from scored_rollouts import scored_group
-from servers import free_port, inference_command, running_server
+from servers import free_port
 
-from asyncrl.loading import load_tokenizer
 from asyncrl.metric_names import describe
-from asyncrl.metrics import JsonlWriter, read_jsonl
-from asyncrl.models import init_model
-from asyncrl.orchestrator.sample_log import sample_record
+from asyncrl.metrics import read_jsonl
 
 pytestmark = pytest.mark.integration
-
-RL_EVAL = ("--orchestrator.eval.interval", "2", "--orchestrator.eval.environments.reverse_text.num_examples", "2")
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    """A folder with two runs: `first` (3 RL steps with online evals, token-level samples added) and `second`,
-    a copy of it to compare with."""
-    root = tmp_path_factory.mktemp("dashboard")
-    model = root / "tiny"
-    init_model(model, "tiny", seed=0)
-    result = run_rl(model, root / "runs" / "first", *RL_EVAL)
-    assert result.returncode == 0, result.stdout + result.stderr
-    port = free_port()
-    tokenizer = load_tokenizer(str(model))
-    samples = JsonlWriter(root / "runs" / "first" / "samples.jsonl")
-    with running_server(inference_command(model, port), port, root / "inference.log") as url:
-        for env, args in (("reverse_text", {}), ("wordle", {"max_turns": 3})):
-            for rollout, advantage in scored_group(url, model, env, group_size=2, max_tokens=8, **args)[:1]:
-                samples.write(sample_record(3, env, rollout, advantage, tokenizer))
-    shutil.copytree(root / "runs" / "first", root / "runs" / "second")
-    return root / "runs"
-
 
 def test_every_metric_a_run_logs_is_documented(runs):
     names = {k for r in read_jsonl(runs / "first" / "metrics.jsonl") for k in r if k not in ("step", "source", "time")}
@@ -171,7 +142,7 @@ def test_dashboard_in_chromium_charts_live_metrics_compares_runs_and_colours_tok
 
         # The run goes on: a new line in metrics.jsonl reaches the open page.
         line = {"step": 4, "source": "orchestrator", "time": time.time(), "reward/mean": 0.5}
-        with open(runs / "first" / "metrics.jsonl", "a") as f:
+        with open(runs / "second" / "metrics.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
         wait_for(lambda: reward_points() == "4", what="the appended step")
 

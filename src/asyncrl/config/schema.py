@@ -142,6 +142,23 @@ class CheckpointConfig(Config):
     keep_last: int = Field(2, ge=1, description="newest complete checkpoints kept; older ones are deleted")
 
 
+class WandbConfig(Config):
+    """Weights & Biases: one W&B run per asyncrl run, every process's metrics in it (docs/tracking.md)."""
+
+    mode: Literal["disabled", "online", "offline"] = Field(
+        "disabled", description="online: stream to W&B; offline: write under output_dir/wandb for `wandb sync`"
+    )
+    project: str = Field("asyncrl", description="W&B project")
+    entity: str | None = Field(None, description="W&B team or user; default: your W&B default entity")
+    name: str | None = Field(None, description="W&B run name; default: the name of output_dir")
+    init_timeout: float = Field(90.0, gt=0, description="seconds W&B may take to start before tracking is dropped")
+
+
+class TensorBoardConfig(Config):
+    enabled: bool = Field(False, description="write TensorBoard event files of every metric")
+    dir: Path | None = Field(None, description="where the event files go; default: output_dir/tensorboard")
+
+
 class ResumeConfig(Config):
     step: int | None = Field(
         None, ge=1, description="`--resume.step N`: continue from checkpoint N; `--resume` alone: the newest whole one"
@@ -510,6 +527,8 @@ class SFTConfig(Config):
     eval: SFTEvalConfig = SFTEvalConfig()
     ckpt: CheckpointConfig = CheckpointConfig()
     resume: Resume = None
+    wandb: WandbConfig = WandbConfig()
+    tensorboard: TensorBoardConfig = TensorBoardConfig()
 
 
 class DeploymentConfig(Config):
@@ -544,6 +563,8 @@ class RLConfig(Config):
     resume: Resume = None
     weight_transfer: WeightTransferConfig = WeightTransferConfig()
     deployment: DeploymentConfig = DeploymentConfig()
+    wandb: WandbConfig = WandbConfig()
+    tensorboard: TensorBoardConfig = TensorBoardConfig()
     inference: InferenceConfig = InferenceConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     trainer: TrainerConfig = TrainerConfig()

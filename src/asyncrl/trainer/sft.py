@@ -29,6 +29,7 @@ from asyncrl.environments.base import Messages
 from asyncrl.errors import AsyncRLError
 from asyncrl.loading import load_tokenizer
 from asyncrl.metrics import MetricsLogger
+from asyncrl.trackers import Trackers
 from asyncrl.trainer import checkpoint
 from asyncrl.trainer.checkpoint import TrainerProgress
 from asyncrl.trainer.distributed import World, all_reduce_sum, close_distributed, init_distributed, max_over_ranks
@@ -169,6 +170,7 @@ def save_model(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, folde
 
 def train_sft(cfg: SFTConfig) -> int:
     world = init_distributed(cfg.device, cfg.num_threads, cfg.seed)
+    trackers = None
     try:
         tokenizer = load_tokenizer(cfg.model.name)
         model = setup_model(cfg.model, world.device, cfg.perf)
@@ -197,7 +199,9 @@ def train_sft(cfg: SFTConfig) -> int:
                 f"{', '.join(map(str, checkpoints.saved_steps(cfg.output_dir)))}); continue it with --resume, "
                 "or set output_dir to a new folder"
             )
-        logger = MetricsLogger(cfg.output_dir, "sft") if world.is_main else None
+        if world.is_main:
+            trackers = Trackers.open(cfg.wandb, cfg.tensorboard, cfg.output_dir, cfg.model_dump(mode="json"))
+        logger = MetricsLogger(cfg.output_dir, "sft", trackers) if world.is_main else None
         if world.is_main:
             shorter = f" (the data lasts {max_steps} of max_steps {cfg.max_steps})" if max_steps < cfg.max_steps else ""
             print(
@@ -264,4 +268,6 @@ def train_sft(cfg: SFTConfig) -> int:
         save_model(model, tokenizer, cfg.output_dir / "final", world)
         return 0
     finally:
+        if trackers is not None:
+            trackers.close()
         close_distributed()
