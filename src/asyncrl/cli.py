@@ -34,6 +34,7 @@ its type, default and meaning: 'asyncrl COMMAND --help', or docs/config.md. Exam
 
 def _model_init(argv: list[str]) -> None:
     from asyncrl.models import ARCHITECTURES, PRESETS, init_model
+    from asyncrl.progress import timed
 
     parser = argparse.ArgumentParser(
         prog="asyncrl model init",
@@ -45,7 +46,8 @@ def _model_init(argv: list[str]) -> None:
     parser.add_argument("--architecture", choices=list(ARCHITECTURES), default="qwen3", help="(default: qwen3)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    count = init_model(args.output, args.preset, args.seed, args.architecture)
+    with timed(f"building a {args.preset} {args.architecture} model"):
+        count = init_model(args.output, args.preset, args.seed, args.architecture)
     print(f"wrote {args.preset} {args.architecture} model ({count / 1e6:.2f}M parameters) to {args.output}")
 
 

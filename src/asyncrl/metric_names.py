@@ -104,8 +104,8 @@ METRICS: list[Metric] = [
     Metric("lr", T, "learning rate", "AdamW learning rate of the step"),
     Metric(
         "perf/tokens_per_s", T, "tokens/s",
-        "tokens of the step's rows (all ranks, padding excluded) / seconds from the batch's arrival to published "
-        "weights; SFT: / the step's wall time",
+        "RL: tokens of the step's rows (all ranks) / seconds from the batch's arrival to published weights; "
+        "SFT: tokens of the last log_interval steps' rows / their wall time",
     ),  # fmt: skip
     Metric(
         "time/step", T, "seconds",

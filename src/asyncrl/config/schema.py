@@ -143,7 +143,7 @@ class CheckpointConfig(Config):
 
 
 class WandbConfig(Config):
-    """Weights & Biases: one W&B run per asyncrl run, every process's metrics in it (docs/tracking.md)."""
+    """Weights & Biases: one W&B run per asyncrl run, every process's metrics in it (docs/dashboard.md)."""
 
     mode: Literal["disabled", "online", "offline"] = Field(
         "disabled", description="online: stream to W&B; offline: write under output_dir/wandb for `wandb sync`"

@@ -28,6 +28,7 @@ from asyncrl.errors import AsyncRLError
 from asyncrl.evals.metrics import EvalSample, summarize
 from asyncrl.evals.routes import ChatRoute, OpenAIServer, TokenRoute
 from asyncrl.metrics import JsonlWriter
+from asyncrl.progress import ProgressBar
 
 
 def load_eval_environments(environments: dict[str, EvalEnvironmentConfig]) -> dict[str, Environment]:
@@ -35,16 +36,24 @@ def load_eval_environments(environments: dict[str, EvalEnvironmentConfig]) -> di
 
 
 async def evaluate(
-    env: Environment, label: str, env_cfg: EvalEnvironmentConfig, suite: EvalSuiteConfig, route: TokenRoute | ChatRoute
+    env: Environment,
+    label: str,
+    env_cfg: EvalEnvironmentConfig,
+    suite: EvalSuiteConfig,
+    route: TokenRoute | ChatRoute,
+    bar: ProgressBar | None = None,
 ) -> list[EvalSample]:
     """n samples of each of the environment's first `num_examples` eval examples, `max_concurrency`
-    examples in flight."""
+    examples in flight; `bar` advances by one per example played."""
     limit = asyncio.Semaphore(suite.max_concurrency)
     examples = itertools.islice(env.eval_examples(), env_cfg.num_examples)
 
     async def one(index: int, example) -> list[EvalSample]:
         async with limit:
-            return await route.play(env, label, index, example, suite.samples_per_example, env_cfg.pass_threshold)
+            played = await route.play(env, label, index, example, suite.samples_per_example, env_cfg.pass_threshold)
+        if bar is not None:
+            bar.advance()
+        return played
 
     groups = await asyncio.gather(*(one(i, e) for i, e in enumerate(examples)))
     return [s for group in groups for s in group]
@@ -109,7 +118,8 @@ async def _run(cfg: EvalConfig, url: str) -> dict:
         summaries = {}
         for label, env in envs.items():
             start = time.time()
-            samples = await evaluate(env, label, cfg.environments[label], cfg, route)
+            with ProgressBar(f"eval {label}", cfg.environments[label].num_examples, unit="examples") as bar:
+                samples = await evaluate(env, label, cfg.environments[label], cfg, route, bar)
             for sample in samples:
                 results.write(dataclasses.asdict(sample))
             summaries[label] = summarize(samples, cfg.samples_per_example, cfg.pass_ks)

@@ -23,6 +23,7 @@ from asyncrl.config.schema import TrainerConfig
 from asyncrl.errors import AsyncRLError
 from asyncrl.loading import DTYPES, load_tokenizer
 from asyncrl.metrics import MetricsLogger
+from asyncrl.progress import timed
 from asyncrl.trainer import checkpoint
 from asyncrl.trainer.checkpoint import TrainerProgress
 from asyncrl.trainer.distributed import World, all_reduce_sum, check_same_count, close_distributed, init_distributed
@@ -115,8 +116,9 @@ def publish_weights(
 def train(cfg: TrainerConfig) -> int:
     world = init_distributed(cfg.device, cfg.num_threads, cfg.seed)
     try:
-        model = setup_model(cfg.model, world.device, cfg.perf)
-        model = parallelize(model, world.world_size, world.device, cfg.model.dtype, cfg.perf)
+        with timed(f"trainer: loading {cfg.model.name}", shown=world.is_main):
+            model = setup_model(cfg.model, world.device, cfg.perf)
+            model = parallelize(model, world.world_size, world.device, cfg.model.dtype, cfg.perf)
         optimizer = make_optimizer(model, cfg.optim)
         tokenizer = load_tokenizer(cfg.model.name)  # published weights carry it, so each is a whole model
         # Broadcast: rank 0 opens the group and waits here until every inference server has joined.
@@ -125,7 +127,10 @@ def train(cfg: TrainerConfig) -> int:
         )
         done = 0  # steps finished before this process started
         if cfg.resume is not None:
-            resumed = checkpoint.resume(cfg.output_dir, checkpoints.RL_PARTS, cfg.resume.step, model, optimizer, world)
+            with timed("trainer: loading the checkpoint", shown=world.is_main):
+                resumed = checkpoint.resume(
+                    cfg.output_dir, checkpoints.RL_PARTS, cfg.resume.step, model, optimizer, world
+                )
             done = resumed.step
             # The off-policy bound needs policy version `done`, which weight pruning may have deleted from disk;
             # a broadcast reaches only the inference servers of this run, which started on the base model.
@@ -140,6 +145,7 @@ def train(cfg: TrainerConfig) -> int:
                 flush=True,
             )
 
+        save_seconds = None  # the last checkpoint save's time: the next one's ETA
         for step in range(done + 1, cfg.max_steps + 1):
             step_start = time.time()
             micro_batches = wait_for_batch(cfg.output_dir, step, world.rank, cfg.wait_timeout)
@@ -181,7 +187,10 @@ def train(cfg: TrainerConfig) -> int:
                     flush=True,
                 )
             if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
-                checkpoint.save(cfg.output_dir, TrainerProgress(step), model, optimizer, world)
+                save_start = time.monotonic()
+                with timed(f"trainer: saving checkpoint step {step}", save_seconds, shown=world.is_main):
+                    checkpoint.save(cfg.output_dir, TrainerProgress(step), model, optimizer, world)
+                save_seconds = time.monotonic() - save_start
                 if world.is_main:
                     checkpoints.prune(cfg.output_dir, checkpoints.RL_PARTS, cfg.ckpt.keep_last)
         return 0

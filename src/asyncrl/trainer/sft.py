@@ -29,6 +29,7 @@ from asyncrl.environments.base import Messages
 from asyncrl.errors import AsyncRLError
 from asyncrl.loading import load_tokenizer
 from asyncrl.metrics import MetricsLogger
+from asyncrl.progress import ProgressBar, Throughput, timed
 from asyncrl.trackers import Trackers
 from asyncrl.trainer import checkpoint
 from asyncrl.trainer.checkpoint import TrainerProgress
@@ -170,11 +171,12 @@ def save_model(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, folde
 
 def train_sft(cfg: SFTConfig) -> int:
     world = init_distributed(cfg.device, cfg.num_threads, cfg.seed)
-    trackers = None
+    trackers, bar = None, None
     try:
         tokenizer = load_tokenizer(cfg.model.name)
-        model = setup_model(cfg.model, world.device, cfg.perf)
-        model = parallelize(model, world.world_size, world.device, cfg.model.dtype, cfg.perf)
+        with timed(f"sft: loading {cfg.model.name}", shown=world.is_main):
+            model = setup_model(cfg.model, world.device, cfg.perf)
+            model = parallelize(model, world.world_size, world.device, cfg.model.dtype, cfg.perf)
         optimizer = make_optimizer(model, cfg.optim)
         # Every rank draws the same stream. The held-out split is its first examples.
         data = load_sft_data(cfg.data, cfg.seed, cfg.eval.size)
@@ -187,9 +189,10 @@ def train_sft(cfg: SFTConfig) -> int:
         )
         progress = TrainerProgress(step=0)
         if cfg.resume is not None:
-            progress = checkpoint.resume(
-                cfg.output_dir, checkpoints.SFT_PARTS, cfg.resume.step, model, optimizer, world
-            )
+            with timed("sft: loading the checkpoint", shown=world.is_main):
+                progress = checkpoint.resume(
+                    cfg.output_dir, checkpoints.SFT_PARTS, cfg.resume.step, model, optimizer, world
+                )
             examples = islice(examples, progress.examples_drawn, None)
             if world.is_main:
                 checkpoints.rewind(cfg.output_dir, progress.step)
@@ -209,6 +212,9 @@ def train_sft(cfg: SFTConfig) -> int:
                 f"{max_steps} steps{shorter}",
                 flush=True,
             )
+        bar = ProgressBar("sft", cfg.max_steps, progress.step, "steps", shown=world.is_main)
+        throughput = Throughput(window=cfg.log_interval)
+        save_seconds = None  # the last checkpoint save's time: the next one's ETA
 
         for step in range(progress.step + 1, max_steps + 1):
             step_start = time.time()
@@ -249,9 +255,11 @@ def train_sft(cfg: SFTConfig) -> int:
             optimizer.zero_grad(set_to_none=True)
             loss = float(all_reduce_sum(loss_sum))
 
+            # Over the last log_interval steps: one step's figure swings widely (a busy CPU, rows of other lengths).
+            tokens_per_s = throughput.add(total_tokens, time.time() - step_start)
+            bar.advance(info=f"loss {loss:.4f}  {tokens_per_s:.0f} tok/s")
             metrics = {}
             if step % cfg.log_interval == 0:
-                tokens_per_s = total_tokens / max(time.time() - step_start, 1e-9)
                 metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "perf/tokens_per_s": tokens_per_s}
             if eval_rows and (step % cfg.eval.interval == 0 or step == max_steps):
                 metrics["eval/loss"] = eval_loss(model, eval_rows, world.device, cfg.perf.logprob_chunk_size)
@@ -259,7 +267,10 @@ def train_sft(cfg: SFTConfig) -> int:
                 logger.log(step, metrics)
                 print(f"step {step} | " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()), flush=True)
             if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
-                checkpoint.save(cfg.output_dir, progress, model, optimizer, world)
+                save_start = time.monotonic()
+                with timed(f"sft: saving checkpoint step {step}", save_seconds, shown=world.is_main):
+                    checkpoint.save(cfg.output_dir, progress, model, optimizer, world)
+                save_seconds = time.monotonic() - save_start
                 if world.is_main:
                     checkpoints.prune(cfg.output_dir, checkpoints.SFT_PARTS, cfg.ckpt.keep_last)
             if cfg.save_interval and step % cfg.save_interval == 0 and step < max_steps:
@@ -268,6 +279,8 @@ def train_sft(cfg: SFTConfig) -> int:
         save_model(model, tokenizer, cfg.output_dir / "final", world)
         return 0
     finally:
+        if bar is not None:
+            bar.close()
         if trackers is not None:
             trackers.close()
         close_distributed()
