@@ -28,7 +28,8 @@ Config files are layered left to right ('@ a.toml @ b.toml'), then dotted flags 
 ('--trainer.optim.lr 1e-5'). 'asyncrl rl --dry-run' prints the resolved configs and starts nothing;
 'asyncrl rl --clean' replaces an earlier run in the same output_dir; '--resume' (rl, sft) continues it
 from its newest complete checkpoint, '--resume.step N' from step N (docs/checkpoints.md). Every key, with
-its type, default and meaning: 'asyncrl COMMAND --help', or docs/config.md. Example: asyncrl rl @ examples/reverse_text/rl.toml
+its type, default and meaning: 'asyncrl COMMAND --help', or docs/config.md.
+Example: asyncrl rl @ examples/reverse_text/rl.toml
 """
 
 

@@ -20,6 +20,7 @@ from asyncrl.metrics import read_jsonl
 
 pytestmark = pytest.mark.integration
 
+
 def test_every_metric_a_run_logs_is_documented(runs):
     names = {k for r in read_jsonl(runs / "first" / "metrics.jsonl") for k in r if k not in ("step", "source", "time")}
     assert "reward/reverse_text/mean" in names and "eval/reverse_text/pass@1" in names
@@ -129,7 +130,8 @@ def test_dashboard_in_chromium_charts_live_metrics_compares_runs_and_colours_tok
         browser.get(dashboard)
 
         def reward_points() -> str | None:  # the chart is redrawn as series arrive: find it afresh each time
-            return browser.execute_script("return document.querySelector(\"div.chart[data-chart='reward']\")?.dataset.points")
+            script = "return document.querySelector(\"div.chart[data-chart='reward']\")?.dataset.points"
+            return browser.execute_script(script)
 
         wait_for(lambda: reward_points() == "3", what="3 reward points")
         chart = browser.find_elements(By.CSS_SELECTOR, "div.chart[data-chart='reward']")

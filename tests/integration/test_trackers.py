@@ -36,7 +36,8 @@ def test_a_wandb_offline_run_holds_every_metric_of_metrics_jsonl(runs):
             if key != "step" and not key.startswith(("_", "samples/")):
                 tracked[(key, row["step"])] = value
     expected = logged(runs / "first")
-    assert {"orchestrator/reward/mean", "trainer/loss", "orchestrator/eval/reverse_text/avg@4"} <= {k for k, _ in expected}
+    names = {name for name, _ in expected}
+    assert {"orchestrator/reward/mean", "trainer/loss", "orchestrator/eval/reverse_text/avg@4"} <= names
     assert tracked == pytest.approx(expected)
 
     config = wandb_offline.config(run_dir)
