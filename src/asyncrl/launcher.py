@@ -33,7 +33,9 @@ from asyncrl.trackers import Trackers
 
 console = Console(stderr=False, highlight=False)
 
-RUN_ARTIFACTS = ("configs", "logs", "rollouts", "weights", "checkpoints", "metrics.jsonl", "samples.jsonl")
+RUN_ARTIFACTS = (
+    "configs", "logs", "rollouts", "weights", "checkpoints", "metrics.jsonl", "samples.jsonl", "wandb", "tensorboard",
+)  # fmt: skip
 
 
 def free_port(host: str = "127.0.0.1") -> int:
