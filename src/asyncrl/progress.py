@@ -31,6 +31,8 @@ class ProgressBar:
     """`description ━━━━━━ 12/100 unit elapsed 0:00:31 ETA 0:02:10 {info}`, live while open on a terminal;
     every method is a no-op elsewhere (and with `shown=False`: ranks other than 0)."""
 
+    active: ProgressBar | None = None  # the open one: a console holds one live display at a time
+
     def __init__(self, description: str, total: float, completed: float = 0, unit: str = "", shown: bool = True):
         self.progress = None
         if shown and console.is_terminal:
@@ -41,6 +43,7 @@ class ProgressBar:
             )  # fmt: skip
             self.task = self.progress.add_task(description, total=total, completed=completed, info="")
             self.progress.start()
+            ProgressBar.active = self
 
     def advance(self, steps: float = 1, info: str | None = None) -> None:
         if self.progress is not None:
@@ -51,6 +54,7 @@ class ProgressBar:
         if self.progress is not None:
             self.progress.stop()
             self.progress = None
+            ProgressBar.active = None
 
     def __enter__(self) -> ProgressBar:
         return self
@@ -78,7 +82,11 @@ def timed(description: str, expected_seconds: float | None = None, shown: bool =
         yield
         return
     start = time.monotonic()
-    if console.is_terminal:
+    if ProgressBar.active is not None:  # inside a bar (a save between SFT steps): say it there
+        ProgressBar.active.advance(0, info=f"{description}...")
+        yield
+        ProgressBar.active.advance(0, info=f"{description}: {time.monotonic() - start:.1f} s")
+    elif console.is_terminal:
         columns = [SpinnerColumn(), TextColumn("{task.description}"), TextColumn("elapsed"), TimeElapsedColumn()]
         with Progress(*columns, ExpectedRemainingColumn(), console=console, transient=True) as progress:
             progress.add_task(description, total=None, expected=expected_seconds)
