@@ -80,6 +80,13 @@ def create_app(paths: list[Path]) -> FastAPI:
             step = steps[-1] if steps else 0
         return {"steps": steps, "step": step, "records": index.records(step) if step in steps else []}
 
+    @app.middleware("http")
+    async def revalidate(request, call_next):
+        # A browser may otherwise keep an older asyncrl's page and scripts from its cache.
+        response = await call_next(request)
+        response.headers["Cache-Control"] = "no-cache"
+        return response
+
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
 

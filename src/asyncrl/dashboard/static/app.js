@@ -140,7 +140,7 @@ function renderCharts() {
       const options = {
         width, height: 220,
         scales: { x: { time: false } },
-        axes: [{ label: "step", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000] }, { size: 60 }],
+        axes: [{ label: "step", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000] }, { size: 60, values: (u, ticks) => ticks.map(axisLabel) }],
         series: [{ label: "step" }, ...series.map((s, i) => ({
           label: s.label, stroke: state.selected.size > 1 ? runColour(s.run) : PALETTE[i % PALETTE.length],
           dash: state.selected.size > 1 ? [[], [6, 3], [2, 3], [8, 3, 2, 3]][series.filter((t) => t.run === s.run).indexOf(s) % 4] : [],
@@ -289,6 +289,11 @@ function format(value) {
   if (value === undefined || value === null) return "";
   if (typeof value !== "number") return escapeHTML(value);
   return Math.abs(value) >= 1000 || value === Math.round(value) ? String(Math.round(value * 1000) / 1000) : value.toPrecision(4);
+}
+
+function axisLabel(value) {  // axis labels: 3 significant digits, so 1e-3 and 1.5e-3 do not both print as "0.001"
+  if (value === null || value === undefined) return "";
+  return Math.abs(value) >= 1000 || value === 0 ? String(value) : String(Number(value.toPrecision(3)));
 }
 
 function ago(time) {
