@@ -2,7 +2,8 @@
 
 The dashboard, `asyncrl plot`, the trackers and docs/metrics.md all read this one list, so a name is
 documented once. Names hold placeholders for the parts a run chooses: `<label>` (an environment's key in
-the config), `<name>` (a reward function or rubric metric), `<n>` and `<k>` (avg@n, pass@k).
+the config), `<name>` (a reward function or rubric metric), `<i>` (an inference server's index), `<n>` and
+`<k>` (avg@n, pass@k).
 
     python -m asyncrl.metric_names > docs/metrics.md
 """
@@ -48,7 +49,7 @@ METRICS: list[Metric] = [
         ORCH,
         "token samples per batch",
         "extra token samples started because a chat template re-rendered earlier turns",
-    ),  # fmt: skip
+    ),
     Metric("rollouts/<label>/errored", ORCH, "rollouts per batch", "rollouts/errored of one environment"),
     Metric("rollouts/<label>/truncated", ORCH, "rollouts per batch", "rollouts/truncated of one environment"),
     Metric(
@@ -61,7 +62,7 @@ METRICS: list[Metric] = [
         ORCH,
         "tokens per rollout",
         "mean of prompt + sampled + environment tokens, summed over a rollout's token samples",
-    ),  # fmt: skip
+    ),
     Metric("completion_len/mean", ORCH, "tokens per rollout", "mean number of tokens the policy sampled in a rollout"),
     Metric(
         "off_policy/mean",
@@ -69,32 +70,77 @@ METRICS: list[Metric] = [
         "policy versions",
         "mean over rollouts of (step - 1) - the oldest policy version among its tokens: how many trainer steps "
         "older than the trainer's weights the rollout is",
-    ),  # fmt: skip
+    ),
     Metric("off_policy/max", ORCH, "policy versions", "the largest such lag in the batch"),
     Metric(
         "off_policy/dropped",
         ORCH,
         "rollouts per batch",
-        "rollouts left out because they were older than max_async_level allows",
-    ),  # fmt: skip
+        "rollouts dropped as older than max_async_level allows while this batch was waited for",
+    ),
+    Metric(
+        "off_policy/mixed_versions",
+        ORCH,
+        "rollouts per batch",
+        "rollouts whose tokens came from more than one policy version (weights changed mid-episode)",
+    ),
+    Metric("batch/rollouts", ORCH, "rollouts", "rollouts in the batch"),
+    Metric("batch/groups", ORCH, "groups", "groups in the batch"),
+    Metric("batch/tokens", ORCH, "tokens", "tokens of the batch's rollouts (prompt, sampled and environment)"),
     Metric(
         "batch/zero_advantage_groups",
         ORCH,
         "groups per batch",
-        "groups left out because all their advantages were zero (no learning signal)",
-    ),  # fmt: skip
-    Metric("batch/samples", ORCH, "token samples per batch", "token samples sent to the trainer"),
-    Metric("policy_version", ORCH, "policy version", "the version inference served while the batch was generated"),
+        "groups of the batch whose advantages are all zero (no learning signal)",
+    ),
     Metric(
-        "perf/generate_tokens_per_s",
+        "batch/filtered_groups",
+        ORCH,
+        "groups per batch",
+        "groups left out by dynamic sampling (no signal) since the last batch",
+    ),
+    Metric("batch/samples", ORCH, "token samples per batch", "token samples sent to the trainer"),
+    Metric("groups/dispatched", ORCH, "groups per batch", "groups sent to the inference servers since the last batch"),
+    Metric("groups/cancelled", ORCH, "groups per batch", "groups in flight cancelled as too old, since the last batch"),
+    Metric(
+        "groups/redispatched",
+        ORCH,
+        "groups per batch",
+        "groups sent again after their server went down, since the last batch",
+    ),
+    Metric("groups/in_flight", ORCH, "groups", "groups in flight when the batch was cut"),
+    Metric("queue/rollouts", ORCH, "rollouts", "rollouts left in the queue after the cut"),
+    Metric("queue/groups", ORCH, "groups", "groups left in the queue after the cut"),
+    Metric("policy_version", ORCH, "policy version", "the oldest version the servers that are up held at the cut"),
+    Metric("pool/oldest_version", ORCH, "policy version", "the same: the oldest version among the servers up"),
+    Metric("pool/servers_up", ORCH, "servers", "inference servers up at the cut"),
+    Metric("pool/times_down", ORCH, "times, since the start", "how often a server was marked down"),
+    Metric("server/<i>/up", ORCH, "1 up, 0 down", "inference server i at the cut"),
+    Metric("server/<i>/policy_version", ORCH, "policy version", "the version server i held at the cut"),
+    Metric("server/<i>/groups_in_flight", ORCH, "groups", "groups in flight on server i at the cut"),
+    Metric(
+        "perf/server/<i>/tokens_per_s",
         ORCH,
         "tokens/s",
-        "sampled tokens of the batch / seconds spent generating it (all groups together)",
-    ),  # fmt: skip
-    Metric("time/generate", ORCH, "seconds", "wall time to generate the batch"),
-    Metric("time/wait_for_weights", ORCH, "seconds", "wall time waiting for the trainer to publish the needed version"),
-    Metric("timestamp/generate_start", ORCH, "Unix time (s)", "when generation of the batch started"),
-    Metric("timestamp/generate_end", ORCH, "Unix time (s)", "when generation of the batch ended"),
+        "completion tokens of the groups and eval requests server i finished / seconds since the last batch",
+    ),
+    Metric(
+        "perf/server/<i>/idle",
+        ORCH,
+        "fraction of time",
+        "share of the time since the last batch that server i had nothing in flight",
+    ),
+    Metric("perf/inference_idle", ORCH, "fraction of time", "perf/server/<i>/idle, the mean over servers"),
+    Metric("perf/generate_tokens_per_s", ORCH, "tokens/s", "perf/server/<i>/tokens_per_s, the sum over servers"),
+    Metric("time/generate", ORCH, "seconds", "from the first of the batch's groups being sent to the cut"),
+    Metric(
+        "time/wait_for_weights",
+        ORCH,
+        "seconds",
+        "time since the last batch that dispatch was held back by the off-policy bound",
+    ),
+    Metric("timestamp/generate_start", ORCH, "Unix time (s)", "when the first of the batch's groups was sent"),
+    Metric("timestamp/generate_end", ORCH, "Unix time (s)", "when the batch was cut"),
     # orchestrator: online evals (docs/evals.md), one line per eval before the batch line of its step
     Metric("eval/<label>/avg@<n>", ORCH, "reward", "mean reward of the n samples of each held-out example"),
     Metric("eval/<label>/pass@<k>", ORCH, "fraction of examples", "unbiased chance that one of k samples passes"),
@@ -110,14 +156,14 @@ METRICS: list[Metric] = [
         "loss per loss token",
         "RL: the step's loss, a sum over all ranks' loss tokens divided by their count (docs/loss.md); "
         "SFT: mean -log p of the answer tokens (nats)",
-    ),  # fmt: skip
+    ),
     Metric("entropy", T, "nats per loss token", "mean entropy of the trainer's next-token distribution"),
     Metric(
         "mismatch_kl",
         T,
         "nats per loss token",
         "mean of exp(r) - r - 1, r = trainer logprob - inference logprob of each sampled token",
-    ),  # fmt: skip
+    ),
     Metric("masked/low", T, "fraction of loss tokens", "tokens masked (or clipped) below the trust region"),
     Metric("masked/high", T, "fraction of loss tokens", "tokens masked (or clipped) above the trust region"),
     Metric("grad_norm", T, "L2 norm", "global gradient norm before clipping"),
@@ -128,14 +174,14 @@ METRICS: list[Metric] = [
         "tokens/s",
         "RL: tokens of the step's rows (all ranks) / seconds from the batch's arrival to published weights; "
         "SFT: tokens of the last log_interval steps' rows / their wall time",
-    ),  # fmt: skip
+    ),
     Metric(
         "time/step",
         T,
         "seconds",
-        "trainer: wall time of the step, waiting for the batch included; orchestrator: wall time of the batch, "
-        "waiting for weights included",
-    ),  # fmt: skip
+        "trainer: wall time of the step, waiting for the batch included; orchestrator: time since the previous "
+        "batch was cut",
+    ),
     Metric("time/wait_for_batch", T, "seconds", "wall time waiting for the batch's rollout files"),
     Metric("timestamp/train_start", T, "Unix time (s)", "when training on the batch started"),
     Metric("timestamp/train_end", T, "Unix time (s)", "when the step's weights were published"),
@@ -162,9 +208,10 @@ def render() -> str:
         "",
         "Generated from `src/asyncrl/metric_names.py` by `python -m asyncrl.metric_names`; a test keeps it in",
         'sync. Each line of `<output_dir>/metrics.jsonl` is `{"step", "source", "time", ...metrics}`;',
-        "`time` is the Unix time the line was written. Counts are per batch (one trainer step's rollouts),",
-        "never cumulative. `<label>` is an environment's key in the config, `<name>` a reward function or",
-        "rubric metric.",
+        '`time` is the Unix time the line was written. A count "per batch" is of one batch, or of the time',
+        "since the previous batch was cut; the unit says when a count is since the start. `<label>` is an",
+        "environment's key in the config, `<name>` a reward function or rubric metric, `<i>` an inference",
+        "server's index (docs/orchestrator.md).",
     ]
     for source, about in SOURCES.items():
         lines += ["", f"## source `{source}`", "", about, "", "| metric | unit | meaning |", "|---|---|---|"]

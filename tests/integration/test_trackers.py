@@ -42,8 +42,8 @@ def test_a_wandb_offline_run_holds_every_metric_of_metrics_jsonl(runs):
 
     config = wandb_offline.config(run_dir)
     assert config["max_steps"] == 3 and config["orchestrator"]["batch_size"] == 8
-    assert config["orchestrator"]["inference_url"].startswith("http://127.0.0.1:")  # resolved: the real port
-    assert config["orchestrator"]["inference_url"] != "http://127.0.0.1:8000"
+    (url,) = config["orchestrator"]["inference_urls"]  # as resolved by the launcher: the server's real port
+    assert url.startswith("http://127.0.0.1:") and url != "http://127.0.0.1:8000"
 
     tables = sorted((run_dir / "files" / "media" / "table").glob("samples_*.table.json"))
     rows = [row for table in tables for row in json.loads(table.read_text())["data"]]

@@ -36,10 +36,29 @@ PANELS = [
     Panel("off-policy lag", ("off_policy/mean", "off_policy/max")),
     Panel(
         "dropped and failed rollouts",
-        ("off_policy/dropped", "rollouts/errored", "rollouts/truncated", "batch/zero_advantage_groups"),
-        "count per batch",
+        ("off_policy/dropped", "off_policy/mixed_versions", "rollouts/errored", "rollouts/truncated"),
+        "rollouts per batch",
     ),
-    Panel("throughput", ("perf/tokens_per_s", "perf/generate_tokens_per_s"), "tokens/s (trained; generated)"),
+    Panel(
+        "groups",
+        (
+            "groups/dispatched",
+            "groups/cancelled",
+            "groups/redispatched",
+            "batch/filtered_groups",
+            "batch/zero_advantage_groups",
+        ),
+        "groups per batch",
+    ),  # fmt: skip
+    Panel(
+        "throughput",
+        ("perf/tokens_per_s", "perf/generate_tokens_per_s", "perf/server/<i>/tokens_per_s"),
+        "tokens/s (trained; generated)",
+    ),
+    Panel("queue and groups in flight", ("queue/groups", "groups/in_flight", "server/<i>/groups_in_flight"), "groups"),
+    Panel("inference idle", ("perf/inference_idle", "perf/server/<i>/idle")),
+    Panel("policy versions", ("policy_version", "server/<i>/policy_version")),
+    Panel("inference servers up", ("pool/servers_up", "server/<i>/up"), "servers"),
     Panel("lengths", ("seq_len/mean", "completion_len/mean")),
     Panel("time per step", ("time/step", "time/generate", "time/wait_for_weights", "time/wait_for_batch")),
     Panel("masked tokens", ("masked/low", "masked/high")),

@@ -62,9 +62,12 @@ def _sample_tokens(tokenizer: Any, sample: TokenSample, versions: list[int], fir
     }
 
 
-def sample_record(step: int, label: str, rollout: Rollout, advantage: float | None, tokenizer: Any) -> dict[str, Any]:
-    """The samples.jsonl line of one scored rollout of batch `step` from environment `label`. `advantage` is
-    the one its tokens were trained with (None when the rollout stayed out of the batch)."""
+def sample_record(
+    step: int, label: str, rollout: Rollout, advantage: float | None, tokenizer: Any, group: int | None = None
+) -> dict[str, Any]:
+    """The samples.jsonl line of one scored rollout of batch `step` from environment `label` (and group number
+    `group`). `advantage` is the one its tokens were trained with (None when the rollout stayed out of the
+    batch)."""
     prompt = rollout.example.prompt
     # Rollout.policy_versions lists the sampled tokens' versions in order, over all token samples and turns.
     versions = list(rollout.policy_versions)
@@ -75,6 +78,7 @@ def sample_record(step: int, label: str, rollout: Rollout, advantage: float | No
         used += count
     return {
         "step": step,
+        "group": group,
         "env": label,
         "prompt": prompt[-1]["content"],
         "completion": rollout.completion_text,
