@@ -34,6 +34,7 @@ from asyncrl.orchestrator.notify import Notifier
 from asyncrl.orchestrator.packing import pack
 from asyncrl.orchestrator.pool import InferencePool, PooledPolicy
 from asyncrl.orchestrator.queue import RolloutQueue
+from asyncrl.orchestrator.sample_log import sample_record
 from asyncrl.orchestrator.sampler import EnvironmentSampler
 from asyncrl.transport import rollouts as rollout_files
 from asyncrl.transport.transfer import update_source
@@ -76,23 +77,13 @@ def write_batch(batch: Batch, cfg: OrchestratorConfig, pad_token_id: int) -> int
     return len(samples)
 
 
-def log_samples(batch: Batch, log: JsonlWriter, count: int) -> None:
-    """The first rollout of the batch's first `count` groups, decoded, to samples.jsonl."""
+def log_samples(batch: Batch, log: JsonlWriter, count: int, tokenizer) -> None:
+    """The first rollout of the batch's first `count` groups, token by token, to samples.jsonl."""
     for group in batch.groups[:count]:
-        r = group.rollouts[0]
+        rollout, advantage = group.rollouts[0], group.advantages[0]
+        trained = group.carries_signal and rollout.error is None
         log.write(
-            {
-                "step": batch.step,
-                "group": group.index,
-                "env": group.label,
-                "prompt": r.example.prompt[-1]["content"] if r.example.prompt else "",
-                "completion": r.completion_text,
-                "answer": r.example.answer,
-                "reward": r.reward,
-                "error": r.error,
-                "turns": r.turns,
-                "conversation": r.messages[len(r.example.prompt) :] if r.turns > 1 else None,
-            }
+            sample_record(batch.step, group.label, rollout, advantage if trained else None, tokenizer, group.index)
         )
 
 
@@ -166,7 +157,7 @@ async def orchestrate(cfg: OrchestratorConfig) -> None:
                 "timestamp/generate_end": cut_at,
             }
             metrics.log(step, record)
-            log_samples(batch, samples_log, cfg.samples_per_step)
+            log_samples(batch, samples_log, cfg.samples_per_step, tokenizer)
             print(
                 f"orchestrator: step {step} reward {record['reward/mean']:.3f} from {len(batch.groups)} groups "
                 f"(policy versions {min(r.min_policy_version for r in batch.rollouts)}-"

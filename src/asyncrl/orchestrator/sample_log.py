@@ -80,7 +80,7 @@ def sample_record(
         "step": step,
         "group": group,
         "env": label,
-        "prompt": prompt[-1]["content"],
+        "prompt": prompt[-1]["content"] if prompt else "",
         "completion": rollout.completion_text,
         "answer": rollout.example.answer,
         "reward": rollout.reward,
