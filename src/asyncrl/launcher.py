@@ -233,6 +233,7 @@ class Progress:
         self.trainer: dict = {}
         self.batch: dict = {}  # the newest batch's line
         self.batch_rewards: dict[int, float] = {}
+        self.stale = {"dropped": 0, "cancelled": 0}  # rollouts dropped and groups cancelled as too old, so far
         self.offsets = {self.path: 0, self.samples_path: 0}
         self.printed_step = 0
 
@@ -254,6 +255,8 @@ class Progress:
             elif record["source"] == "orchestrator" and "reward/mean" in record:  # a batch, not an eval
                 self.batch = record
                 self.batch_rewards[record["step"]] = record["reward/mean"]
+                self.stale["dropped"] += record.get("off_policy/dropped", 0)
+                self.stale["cancelled"] += record.get("groups/cancelled", 0)
             if self.trackers is not None:
                 self.trackers.log(record)
         if self.trackers is not None:
@@ -277,16 +280,24 @@ class Progress:
             "batch": str(batch),
             "batch reward": f"{self.batch.get('reward/mean', float('nan')):.3f}",
             "generate": f"{self.batch.get('perf/generate_tokens_per_s', 0):.0f}",
+            "servers": f"{self.batch.get('pool/servers_up', '?')}/{self._servers()}",
+            "queue": f"{self.batch.get('queue/rollouts', 0)} / {self.batch.get('groups/in_flight', 0)}",
+            "stale": f"{self.stale['dropped']} / {self.stale['cancelled']}",
             "elapsed": f"{elapsed:.0f}s",
             "eta": "?" if eta is None else f"{eta:.0f}s",
         }
+
+    def _servers(self) -> int | str:
+        return sum(key.endswith("/up") and key.startswith("server/") for key in self.batch) or "?"
 
     def line(self) -> str:
         f = self._figures()
         return (
             f"trained step {f['trained']} (its batch: reward {f['reward']}; loss {f['loss']}, "
             f"mismatch_kl {f['mismatch_kl']}, {f['train']} tok/s)  |  newest batch generated: {f['batch']} "
-            f"(reward {f['batch reward']}, {f['generate']} tok/s)  |  elapsed {f['elapsed']}, ETA {f['eta']}"
+            f"(reward {f['batch reward']}, {f['generate']} tok/s; servers up {f['servers']}, rollouts queued / "
+            f"groups in flight {f['queue']}, dropped / cancelled {f['stale']})  |  elapsed {f['elapsed']}, "
+            f"ETA {f['eta']}"
         )
 
     def table(self) -> Table:
@@ -305,6 +316,9 @@ class Progress:
             "newest batch": "batch",
             "newest batch's reward": "batch reward",
             "generate tok/s": "generate",
+            "servers up": "servers",
+            "queued / in flight": "queue",
+            "dropped / cancelled": "stale",
             "elapsed": "elapsed",
             "ETA": "eta",
         }

@@ -19,14 +19,17 @@ def test_the_line_names_the_trained_steps_batch_and_the_newest_batch_apart(tmp_p
         metrics,
         {"step": 1, "source": "orchestrator", "reward/mean": 0.532, "perf/generate_tokens_per_s": 900.0},
         {"step": 2, "source": "orchestrator", "eval/rt/avg@4": 0.1},  # an eval line: not a batch
-        {"step": 2, "source": "orchestrator", "reward/mean": 0.558, "perf/generate_tokens_per_s": 950.0},
+        {"step": 2, "source": "orchestrator", "reward/mean": 0.558, "perf/generate_tokens_per_s": 950.0,
+         "pool/servers_up": 1, "server/0/up": 1, "server/1/up": 0, "queue/rollouts": 12, "groups/in_flight": 3,
+         "off_policy/dropped": 4, "groups/cancelled": 1},  # fmt: skip
         {"step": 1, "source": "trainer", "loss": 0.01, "mismatch_kl": 1e-3, "perf/tokens_per_s": 5000.0},
     )
     progress = Progress(metrics, max_steps=200)
     progress.refresh()
     line = progress.line()
     assert line.startswith("trained step 1/200 (its batch: reward 0.532; loss 0.0100, mismatch_kl 1.00e-03")
-    assert "newest batch generated: 2 (reward 0.558, 950 tok/s)" in line
+    assert "newest batch generated: 2 (reward 0.558, 950 tok/s; servers up 1/2" in line
+    assert "rollouts queued / groups in flight 12 / 3, dropped / cancelled 4 / 1" in line
     assert progress.new_step() and not progress.new_step()
 
 

@@ -110,6 +110,10 @@ class Engine:
             torch.set_num_threads(cfg.num_threads)
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
+        if self.device.type == "cuda":
+            # Triton launches on the current device: the warm-up below runs in this thread, which starts on
+            # cuda:0, and a server on another GPU would fail there ("cannot be accessed from Triton").
+            torch.cuda.set_device(self.device)
         self.tokenizer = load_tokenizer(cfg.model.name)
         self.model = load_model(cfg.model, self.device)
         self.model.eval()
