@@ -133,25 +133,30 @@ def test_the_bound_holds_with_stragglers_and_weights_changing_mid_episode(tiny_m
 def test_resume_with_groups_queued_and_in_flight_loses_and_repeats_nothing(tiny_model, tmp_path):
     run = tmp_path / "run"
     # A loose bound: nothing is ever too old, so every group drawn is trained on once, in some batch. Groups
-    # finish in bursts of up to eight, and a batch takes two: the checkpoint after batch 2 finds the rest
-    # of a burst queued, and groups in flight.
-    flags = ["--max-steps", "6", "--ckpt.interval", "2", "--orchestrator.max-async-level", "8",
-             "--orchestrator.max-inflight", "8", "--orchestrator.samples-per-step", "8"]  # fmt: skip
+    # finish in bursts of up to eight and a batch takes two: checkpoints (one per step, all kept) find the
+    # rest of a burst queued, and groups in flight. The run resumes from the first that has queued groups.
+    flags = ["--max-steps", "6", "--ckpt.interval", "1", "--ckpt.keep-last", "10",
+             "--orchestrator.max-async-level", "8", "--orchestrator.max-inflight", "8",
+             "--orchestrator.samples-per-step", "8"]  # fmt: skip
     launcher = subprocess.Popen(command(tiny_model, run, *flags), stdout=subprocess.DEVNULL, env=environment())
     try:
-        wait_for_trainer_step(launcher, run, 3)
+        wait_for_trainer_step(launcher, run, 4)
         launcher.send_signal(signal.SIGINT)
         assert launcher.wait(timeout=60) == 130
     finally:
         launcher.kill()
-    saved = json.loads((part_dir(run, 2, "orchestrator") / "progress.json").read_text())
-    queued, pending = [g["index"] for g in saved["queue"]], [p["index"] for p in saved["pending"]]
-    assert queued, "the checkpoint holds no queued group: nothing was tested"
+    complete = [n for n in range(1, 7) if all(part_dir(run, n, p).is_dir() for p in ("trainer", "orchestrator"))]
+    saved = {n: json.loads((part_dir(run, n, "orchestrator") / "progress.json").read_text()) for n in complete}
+    with_queue = [n for n in complete if saved[n]["queue"]]
+    assert with_queue, f"no checkpoint of steps {complete} holds a queued group: nothing was tested"
+    step = with_queue[0]
+    queued = [g["index"] for g in saved[step]["queue"]]
+    pending = [p["index"] for p in saved[step]["pending"]]
 
-    rl(tiny_model, run, *flags, "--resume.step", "2")
+    rl(tiny_model, run, *flags, "--resume.step", str(step))
     trained = [(r["step"], r["group"]) for r in read_jsonl(run / "samples.jsonl")]
     groups = [g for _, g in trained]
     assert sorted({s for s, _ in trained}) == list(range(1, 7))
     assert len(groups) == len(set(groups)) == 12, "a group was trained on twice, or a batch is short"
-    after = {g for s, g in trained if s > 2}
+    after = {g for s, g in trained if s > step}
     assert set(queued) <= after and set(pending) <= after, "a group saved in the checkpoint was lost"
