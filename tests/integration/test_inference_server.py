@@ -422,3 +422,70 @@ def test_the_vllm_backend_without_vllm_fails_with_one_line(model_dir):
     result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert f"vllm is not installed for {sys.executable}" in result.stderr.strip().splitlines()[-1]
+
+
+# ---- clients that go away ----
+
+
+def wait_for_metric(http: httpx.Client, name: str, condition, timeout: float = 30) -> float:
+    deadline = time.monotonic() + timeout
+    while not condition(value := metric(http, name)):
+        assert time.monotonic() < deadline, f"{name} stayed at {value}"
+        time.sleep(0.01)
+    return value
+
+
+def test_a_client_that_disconnects_mid_generation_stops_its_samples(server, http):
+    samples, max_tokens = 16, SEQ_LEN - 3
+    before = metric(http, "generated_tokens_total")
+
+    async def disconnect_mid_way() -> None:
+        async with httpx.AsyncClient(base_url=server, timeout=60) as client:
+            # Greedy decoding of this prompt never meets EOS with the base weights: the request runs long.
+            body = {"prompt_ids": [5, 6, 7], "n": samples, "max_tokens": max_tokens, "temperature": 0.0}
+            request = asyncio.create_task(client.post("/v1/generate", json=body))
+            while metric(http, "generated_tokens_total") < before + 2 * samples:
+                assert not request.done(), "the request finished before the client could leave"
+                await asyncio.sleep(0.005)
+            request.cancel()  # closes the connection, as a client's timeout does
+            with pytest.raises(asyncio.CancelledError):
+                await request
+
+    asyncio.run(disconnect_mid_way())
+    wait_for_metric(http, "running_sequences", lambda running: running == 0, timeout=10)
+    generated = metric(http, "generated_tokens_total") - before
+    assert generated < samples * max_tokens / 2  # the rest of each sample was never decoded
+
+
+def test_a_request_queued_while_paused_is_dropped_when_its_client_times_out(http):
+    assert http.post("/admin/pause", headers=ADMIN).status_code == 200
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            http.post("/v1/generate", json={"prompt_ids": [1, 2], "n": 3, "max_tokens": 4}, timeout=0.5)
+        wait_for_metric(http, "waiting_sequences", lambda waiting: waiting == 0, timeout=10)
+    finally:
+        http.post("/admin/resume", headers=ADMIN)
+    assert metric(http, "waiting_requests") == 0
+
+
+def test_a_request_paused_in_flight_is_dropped_when_its_client_disconnects(server, http):
+    before = metric(http, "generated_tokens_total")
+
+    async def disconnect_while_paused() -> None:
+        async with httpx.AsyncClient(base_url=server, timeout=60) as client:
+            body = {"prompt_ids": [5, 6, 7], "n": 2, "max_tokens": SEQ_LEN - 3, "temperature": 0.0}
+            request = asyncio.create_task(client.post("/v1/generate", json=body))
+            while metric(http, "generated_tokens_total") < before + 4:
+                await asyncio.sleep(0.005)
+            assert http.post("/admin/pause", headers=ADMIN).status_code == 200
+            assert metric(http, "running_sequences") == 2
+            request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await request
+
+    try:
+        asyncio.run(disconnect_while_paused())
+        wait_for_metric(http, "running_sequences", lambda running: running == 0, timeout=10)
+        assert metric(http, "kv_cache_used_tokens") == 0
+    finally:
+        http.post("/admin/resume", headers=ADMIN)

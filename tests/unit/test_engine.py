@@ -255,6 +255,20 @@ def test_nothing_decodes_while_paused(engine):
     assert len(future.result(TIMEOUT)[0].token_ids) >= 1
 
 
+def test_a_cancelled_request_leaves_the_queue_and_the_batch_even_while_paused(engine):
+    running = engine.generate(GenerationRequest([5, 6, 7], n=2, max_tokens=100, temperature=0.0))
+    wait_until(lambda: engine.stats().generated_tokens >= 4)
+    engine.pause().result(TIMEOUT)
+    waiting = engine.generate(GenerationRequest([1, 2], n=3, max_tokens=4))
+    assert engine.stats().running_sequences == 2 and engine.stats().waiting_sequences == 3
+    waiting.cancel()
+    running.cancel()
+    wait_until(lambda: engine.stats().running_sequences == engine.stats().waiting_sequences == 0)
+    assert engine.stats().kv_cache_used_tokens == 0
+    engine.resume().result(TIMEOUT)
+    assert run(engine, max_tokens=3)[0].token_ids  # the engine goes on serving
+
+
 def test_weights_update_mid_sequence_and_tokens_record_the_version(engine, model_dir, tmp_path):
     new_model, folder = perturbed_weights(model_dir, tmp_path, version=1)
     prompt = [3, 1, 4, 1, 5]

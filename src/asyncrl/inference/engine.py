@@ -207,7 +207,19 @@ class Engine:
             pending = PendingRequest(request, seeds, on_token)
             self.scheduler.add(pending.sequences)
             self._wakeup.notify()
+        pending.future.add_done_callback(self._drop_if_cancelled)
         return pending.future
+
+    def _drop_if_cancelled(self, future: Future) -> None:
+        """A cancelled request leaves at once, paused or not: its waiting samples now, its running ones between
+        two steps, so that nothing is decoded for a caller who left, nor holds a KV-cache slot."""
+        if not future.cancelled():
+            return
+        with self._wakeup:
+            self.scheduler.drop_abandoned()
+            if not self._stopping and any(sequence.abandoned for sequence in self.scheduler.running):
+                self._commands.append((self._release_abandoned, Future()))
+            self._wakeup.notify()
 
     def pause(self) -> Future[None]:
         """No step runs until `resume`; requests keep queueing. Resolves once no step is in flight."""
@@ -480,6 +492,12 @@ class Engine:
         for sequence in leaving:
             if sequence.finish_reason is not None:
                 sequence.request.sequence_finished()
+
+    def _release_abandoned(self) -> None:
+        with self._wakeup:
+            moves = self.scheduler.release([sequence for sequence in self.scheduler.running if sequence.abandoned])
+        for move in moves:
+            self.cache.move(move.source, move.target, move.sequence.num_tokens)
 
     def _finish_reason(self, sequence: Sequence, token: int) -> str | None:
         request = sequence.params

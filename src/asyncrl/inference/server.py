@@ -29,9 +29,9 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -55,6 +55,7 @@ from asyncrl.loading import resolve_device
 from asyncrl.transport.broadcast import WeightReceiver
 
 log = logging.getLogger("asyncrl.inference")
+T = TypeVar("T")
 
 WEIGHT_UPDATE_TIMEOUT = 600.0  # seconds until /admin/update_weights gives up waiting (the load may still land)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of seq_len
@@ -198,6 +199,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _bad_request(_: Request, error: RequestError) -> JSONResponse:
         return error_response(400, str(error))
 
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, error: ClientDisconnected) -> JSONResponse:
+        return error_response(499, "the client closed the connection before the answer was ready")
+
     @app.exception_handler(AsyncRLError)
     async def _failed(_: Request, error: AsyncRLError) -> JSONResponse:
         return error_response(500, str(error))
@@ -248,6 +253,32 @@ async def wait_for_engine(future: concurrent.futures.Future, timeout: float | No
     except asyncio.CancelledError:
         future.cancel()
         raise
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client goes away first: a client that times out or disconnects
+    (the orchestrator dropping a stale group) must not leave samples decoding to max_tokens for no one.
+    The body has been read by now, so the next ASGI message is the disconnect."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done():
+        raise ClientDisconnected
+    return task.result()
+
+
+class ClientDisconnected(Exception):
+    """The client left before its answer was ready; there is nobody to answer."""
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _copy_outcome(done: concurrent.futures.Future, waiter: asyncio.Future) -> None:
@@ -448,8 +479,8 @@ def create_app(engine: Engine, cfg: InferenceConfig, receiver: WeightReceiver | 
             "seed": body.seed,
         }
 
-    async def run(request: GenerationRequest) -> list[Completion]:
-        return await wait_for_engine(engine.generate(request))
+    async def run(request: GenerationRequest, raw: Request) -> list[Completion]:
+        return await unless_disconnected(raw, wait_for_engine(engine.generate(request)))
 
     # ---- status ----
 
@@ -465,7 +496,7 @@ def create_app(engine: Engine, cfg: InferenceConfig, receiver: WeightReceiver | 
     # ---- tokens in, tokens out ----
 
     @app.post("/v1/generate")
-    async def generate(body: GenerateBody) -> dict:
+    async def generate(body: GenerateBody, raw: Request) -> dict:
         request = GenerationRequest(
             prompt_ids=body.prompt_ids,
             max_tokens=body.max_tokens,
@@ -473,7 +504,7 @@ def create_app(engine: Engine, cfg: InferenceConfig, receiver: WeightReceiver | 
             ignore_eos=body.ignore_eos,
             **sampling(body),
         )
-        completions = await run(request)
+        completions = await run(request, raw)
         choices = [
             {
                 "token_ids": c.token_ids,
@@ -486,7 +517,7 @@ def create_app(engine: Engine, cfg: InferenceConfig, receiver: WeightReceiver | 
         return {"choices": choices, "prompt_tokens": len(body.prompt_ids)}
 
     @app.post("/inference/v1/generate")
-    async def generate_like_vllm(body: TokenGenerateBody) -> dict:
+    async def generate_like_vllm(body: TokenGenerateBody, raw: Request) -> dict:
         if body.stream:
             raise APIError(400, "stream=true is not supported on /inference/v1/generate (send stream=false)", "stream")
         params = body.sampling_params
@@ -498,7 +529,7 @@ def create_app(engine: Engine, cfg: InferenceConfig, receiver: WeightReceiver | 
             top_logprobs=params.logprobs or 0,
             **sampling(params),
         )
-        completions = await run(request)
+        completions = await run(request, raw)
         choices = []
         for index, completion in enumerate(completions):
             logprobs = None
@@ -559,7 +590,7 @@ def create_app(engine: Engine, cfg: InferenceConfig, receiver: WeightReceiver | 
         return model_card(model_name)
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(body: ChatBody) -> dict | StreamingResponse:
+    async def chat_completions(body: ChatBody, raw: Request) -> dict | StreamingResponse:
         if tokenizer.chat_template is None:
             raise APIError(400, f"model {model_name} has no chat template (use /v1/completions)", "messages")
         messages = [_flatten_content(message) for message in body.messages]
@@ -603,7 +634,7 @@ def create_app(engine: Engine, cfg: InferenceConfig, receiver: WeightReceiver | 
             final = usage_event(body, "chat.completion.chunk", chat_id, len(prompt_ids), stream)
             return event_stream(stream, chunk, final)
 
-        completions = await run(request)
+        completions = await run(request, raw)
         choices = []
         for index, completion in enumerate(completions):
             text, covered = visible_text(tokenizer, completion.token_ids, completion.finish_reason, request.stop)
@@ -632,7 +663,7 @@ def create_app(engine: Engine, cfg: InferenceConfig, receiver: WeightReceiver | 
         }
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionBody) -> dict | StreamingResponse:
+    async def completions(body: CompletionBody, raw: Request) -> dict | StreamingResponse:
         if body.echo:
             raise APIError(400, "echo=true is not supported (send echo=false)", "echo")
         prompts = _prompt_list(body.prompt, tokenizer)
@@ -682,7 +713,8 @@ def create_app(engine: Engine, cfg: InferenceConfig, receiver: WeightReceiver | 
             for future in futures:
                 future.cancel()
             raise
-        results = await asyncio.gather(*(wait_for_engine(future) for future in futures))
+        waiting = asyncio.gather(*(wait_for_engine(future) for future in futures))
+        results = await unless_disconnected(raw, waiting)
         choices = []
         for request, completion in ((r, c) for r, result in zip(requests, results) for c in result):
             text, covered = visible_text(tokenizer, completion.token_ids, completion.finish_reason, request.stop)
