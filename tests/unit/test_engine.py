@@ -269,6 +269,31 @@ def test_a_cancelled_request_leaves_the_queue_and_the_batch_even_while_paused(en
     assert run(engine, max_tokens=3)[0].token_ids  # the engine goes on serving
 
 
+def test_weights_with_nan_infinite_or_integer_values_are_refused(engine):
+    state = engine.model.state_dict()
+    norm = state["model.norm.weight"]
+    for bad, problem in (
+        (torch.full_like(norm, float("nan")), "NaN or infinite"),
+        (torch.full_like(norm, float("inf")), "NaN or infinite"),
+        (norm.long(), "torch.int64"),
+    ):
+        with pytest.raises(WeightsError, match=problem):
+            engine.update_weights({**state, "model.norm.weight": bad}, 1).result(TIMEOUT)
+    assert engine.policy_version == 0 and torch.isfinite(engine.model.model.norm.weight).all()
+
+
+def test_nan_logits_fail_the_request_with_one_clear_error_and_not_the_engine(engine):
+    norm = engine.model.model.norm.weight
+    saved = norm.detach().clone()
+    with torch.no_grad():
+        norm.fill_(float("nan"))
+    with pytest.raises(AsyncRLError, match="NaN logits"):
+        run(engine, max_tokens=4)
+    with torch.no_grad():
+        norm.copy_(saved)
+    assert run(engine, max_tokens=3)[0].token_ids
+
+
 def test_weights_update_mid_sequence_and_tokens_record_the_version(engine, model_dir, tmp_path):
     new_model, folder = perturbed_weights(model_dir, tmp_path, version=1)
     prompt = [3, 1, 4, 1, 5]
