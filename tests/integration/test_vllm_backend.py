@@ -113,12 +113,15 @@ def server(served_dir, tmp_path_factory):
         time.sleep(0.5)
     yield url
     process.terminate()
-    process.wait(timeout=30)
+    process.wait(timeout=60)
     log.close()
     deadline = time.monotonic() + 30
     while processes_serving(served_dir) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not processes_serving(served_dir), "vLLM outlived the server that started it"
+    # vLLM shut down in order: nothing force-killed, no shared memory left for the resource tracker.
+    output = Path(log.name).read_text()
+    assert "force killing" not in output and "leaked shared_memory" not in output
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +167,24 @@ def test_generate_logprobs_match_teacher_forcing(http, served_dir):
         expected = teacher_forced_logprobs(model, prompt, choice["token_ids"], 0.8)
         assert torch.allclose(torch.tensor(choice["logprobs"]), expected, atol=1e-4)
         assert choice["policy_versions"] == [version] * len(choice["token_ids"])
+
+
+def test_greedy_samples_of_one_request_are_served_though_vllm_refuses_n_above_1(http):
+    result = generate(http, prompt_ids=[5, 6, 7], n=3, max_tokens=6, temperature=0.0)
+    assert len({tuple(choice["token_ids"]) for choice in result["choices"]}) == 1 and len(result["choices"]) == 3
+
+
+def test_a_request_queued_while_paused_is_dropped_when_its_client_times_out(http):
+    assert http.post("/admin/pause", headers=ADMIN).status_code == 200
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            http.post("/v1/generate", json={"prompt_ids": [1, 2], "n": 2, "max_tokens": 50, "seed": 1}, timeout=1)
+        time.sleep(1)  # vLLM aborts the request whose connection closed
+    finally:
+        assert http.post("/admin/resume", headers=ADMIN).status_code == 200
+    before = metric(http, "generated_tokens_total")
+    time.sleep(5)
+    assert metric(http, "generated_tokens_total") == before  # the abandoned request never ran
 
 
 def test_the_openai_client_streams_through_to_vllm(server, served_dir):

@@ -28,6 +28,7 @@ def model_dir(tmp_path_factory):
 
 def config(model_dir, dtype: str = "float32", **fields) -> InferenceConfig:
     model = {"name": str(model_dir), "dtype": dtype}
+    fields.setdefault("device", "cpu")  # the same test on a GPU host
     return InferenceConfig(model=model, seq_len=128, max_batch_size=4, num_threads=1, **fields)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from asyncrl.inference.text import TokenText
+from asyncrl.inference.text import SampleText, TokenText
 from asyncrl.models import init_model
 
 
@@ -34,3 +34,26 @@ def test_the_bytes_of_a_text_s_tokens_are_its_utf8(tokenizer):
 def test_a_special_token_s_bytes_are_its_text(tokenizer):
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert TokenText(tokenizer).bytes(im_end) == b"<|im_end|>"
+
+
+def stream(tokenizer, token_ids: list[int], stop: tuple[str, ...], finish_reason: str) -> list[str]:
+    sample = SampleText(tokenizer, stop)
+    last = len(token_ids) - 1
+    return [sample.add(t, 0.0, [], finish_reason if i == last else None) for i, t in enumerate(token_ids)]
+
+
+def test_streamed_deltas_add_up_to_the_text_and_never_split_a_character(tokenizer):
+    text = "naïve → 日本語 🙂 done, and more text after it"
+    token_ids = tokenizer.encode(text)
+    deltas = stream(tokenizer, token_ids, (), "length")
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in delta for delta in deltas)
+
+
+def test_streamed_deltas_hold_back_what_may_become_a_stop_string(tokenizer):
+    sample = SampleText(tokenizer, ("END",))
+    shown = "".join(sample.add(token, 0.0, [], None) for token in tokenizer.encode("abc EN"))
+    assert shown == "abc "  # "EN" may still become "END"
+    [x] = tokenizer.encode("x")
+    assert sample.add(x, 0.0, [], None) == "ENx"  # it did not
+    assert "".join(stream(tokenizer, tokenizer.encode("abc END"), ("END",), "stop")) == "abc "

@@ -347,7 +347,7 @@ class InferenceConfig(Config):
         128, ge=1, description="most samples one request may ask for (n, times the prompts of /v1/completions)"
     )
     max_stop_strings: int = Field(16, ge=0, description="most stop strings one request may give")
-    max_stop_string_length: int = Field(256, ge=1, description="longest stop string, in characters")
+    max_stop_string_length: int = Field(64, ge=1, description="longest stop string, in characters")
 
     @model_validator(mode="after")
     def _broadcast_needs_the_native_engine(self) -> InferenceConfig:

@@ -10,6 +10,7 @@ from typing import Any
 
 from asyncrl.inference.sequence import Completion
 
+DECODE_CONTEXT = 4  # tokens decoded before a stream's new ones, for their text to read as within the whole
 TOKEN_ID_PREFIX = "token_id:"  # how vLLM (and verifiers' train client) spell a token id where text is expected
 BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's spelling of a raw byte
 
@@ -108,18 +109,36 @@ class SampleText:
 
     def _settled(self) -> tuple[str, int]:
         """The longest token prefix whose text is final: no trailing replacement character (a multi-byte
-        character cut between tokens) and no tail that a stop string could still start with."""
-        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
-        full = decode(self.token_ids)
-        held = max((k for s in self.stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
-        limit = len(full) - held
-        count, text = len(self.token_ids), full
+        character cut between tokens) and no tail that a stop string could still start with. Only the tokens
+        not sent yet are decoded: decoding the whole sample at every token would make a stream quadratic."""
+        count = len(self.token_ids)
+        text = self._text_through(count)
+        limit = len(text) - self._stop_prefix_length(text)
         while count > self.sent_tokens and (len(text) > limit or text.endswith("\ufffd")):
             count -= 1
-            text = decode(self.token_ids[:count])
-        if count <= self.sent_tokens or not text.startswith(self.sent_text):
+            text = self._text_through(count)
+        if count <= self.sent_tokens:
             return self.sent_text, self.sent_tokens
         return text, count
+
+    def _text_through(self, count: int) -> str:
+        """The text of the first `count` tokens (count >= sent_tokens): the text sent so far plus the new part,
+        decoded from a few tokens back so that the piece decodes as it does within the whole (a tokenizer may
+        drop a leading space, or join bytes across tokens)."""
+        start = max(0, self.sent_tokens - DECODE_CONTEXT)
+        before = self.tokenizer.decode(self.token_ids[start : self.sent_tokens], skip_special_tokens=True)
+        window = self.tokenizer.decode(self.token_ids[start:count], skip_special_tokens=True)
+        return self.sent_text + window[len(before) :]
+
+    def _stop_prefix_length(self, text: str) -> int:
+        """The length of the longest end of `text` that a stop string starts with (it may still complete)."""
+        longest = 0
+        for stop in self.stop:
+            for k in range(min(len(stop) - 1, len(text)), longest, -1):
+                if stop[k - 1] == text[-1] and text.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest
 
 
 def chat_logprob_entries(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -51,13 +52,15 @@ from asyncrl.inference.engine import (
 )
 from asyncrl.inference.kv_cache import GIB, bytes_per_token
 from asyncrl.inference.prometheus import prometheus_text
+from asyncrl.inference.sampling import MIN_TEMPERATURE
 from asyncrl.inference.sequence import MAX_TOP_LOGPROBS, Completion, GenerationRequest, TokenCallback
 from asyncrl.loading import DTYPES, load_tokenizer
 from asyncrl.transport.weights import ADAPTER_CONFIG, MARKER, WEIGHTS_FILE
 
 log = logging.getLogger("asyncrl.inference")
 
-STOP_GRACE = 5.0  # seconds vLLM gets to exit on SIGTERM before it is killed
+VLLM_SHUTDOWN_TIMEOUT = 15  # seconds vLLM's engine gets to drain and tear down on SIGTERM
+STOP_GRACE = 25.0  # seconds vLLM gets to shut down on SIGTERM before its process group is killed
 CONTROL_TIMEOUT = 60.0  # seconds for vLLM's quick routes (health, metrics, pause, resume, weight version)
 GPU_HEADROOM = 2 * GIB  # beyond weights and KV cache: activations, CUDA graphs, the sampler
 # Fields of a model config that must agree for new weights to fit the served model.
@@ -127,6 +130,9 @@ class VLLMProcess:
             # A prefix cache would let new requests reuse KV computed under older weights.
             "--no-enable-prefix-caching",
             "--disable-uvicorn-access-log",
+            # On SIGTERM, let the engine core finish and free its shared memory instead of being killed at once.
+            "--shutdown-timeout",
+            str(VLLM_SHUTDOWN_TIMEOUT),
             *memory_args,
             *cfg.vllm.args,  # last, so that they win over ours
         ]
@@ -205,18 +211,22 @@ class VLLMProcess:
         threading.Thread(target=poll, name="asyncrl-vllm-watch", daemon=True).start()
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
+        """SIGTERM to vLLM's API server alone, which stops its engine core and workers in order: signalling the
+        whole group at once had the server force-kill an engine core mid-teardown, leaving its shared memory in
+        /dev/shm. Whatever of the group is left after STOP_GRACE seconds is killed."""
+        if self.process is None:
             return
-        for sig, wait in ((signal.SIGTERM, STOP_GRACE), (signal.SIGKILL, None)):
+        if self.process.poll() is None:
+            self.process.terminate()
             try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.process.wait(timeout=wait)
-                return
+                self.process.wait(timeout=STOP_GRACE)
             except subprocess.TimeoutExpired:
-                continue
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
 
 
 def _free_loopback_port() -> int:
@@ -321,6 +331,8 @@ class VLLMBackend(Backend):
         return APIError(503, f"vLLM is not reachable ({error}); it may have stopped (see the server log)")
 
     async def generate(self, request: GenerationRequest, on_token: TokenCallback | None = None) -> list[Completion]:
+        if request.n > 1 and request.temperature < MIN_TEMPERATURE:
+            return await self._greedy_samples(request, on_token)
         body = {
             "model": self.cfg.model.name,
             "token_ids": request.prompt_ids,
@@ -334,6 +346,23 @@ class VLLMBackend(Backend):
         else:
             samples = await self._stream(request, body, on_token)
         return [sample.completion(self._policy_version) for sample in samples]
+
+    async def _greedy_samples(self, request: GenerationRequest, on_token: TokenCallback | None) -> list[Completion]:
+        """vLLM refuses n > 1 with greedy sampling ("n must be 1 when using greedy sampling"); the native engine
+        takes it. So a greedy request of n samples goes to vLLM as n requests of one."""
+
+        def relabel(index: int) -> TokenCallback | None:
+            if on_token is None:
+                return None
+            return lambda _, *token: on_token(index, *token)
+
+        one = dataclasses.replace(request, n=1)
+        tasks = [asyncio.ensure_future(self.generate(one, relabel(index))) for index in range(request.n)]
+        try:
+            return [completion for completions in await asyncio.gather(*tasks) for completion in completions]
+        finally:
+            for task in tasks:
+                task.cancel()
 
     def _sampling(self, request: GenerationRequest) -> dict[str, Any]:
         return {
