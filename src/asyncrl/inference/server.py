@@ -6,7 +6,7 @@ The HTTP layer only translates; it never touches tensors. Its parts:
 - `token_routes.py`: `/v1/generate`, `/inference/v1/generate`; `openai_routes.py`: `/v1/chat/completions`,
   `/v1/completions`, `/v1/models`; `admin_routes.py`: `/admin/pause|resume|update_weights`;
 - `backend.py`: what the routes need of an engine, served by `native_backend.py` (our engine, in this process)
-  or `vllm_backend.py` (a vLLM child process). The same app serves both.
+  or `vllm_backend.py` (a vLLM child process, `vllm_process.py`). The same app serves both.
 """
 
 from __future__ import annotations
