@@ -37,7 +37,11 @@ def admin_routes(backend: Backend, cfg: InferenceConfig) -> APIRouter:
     async def update_weights(body: UpdateWeightsBody) -> dict:
         async with control:
             live = backend.policy_version
-            if body.version < live:
+            version = body.version
+            if body.path is None:
+                # A broadcast serves the newest version received, which may already be live and newer.
+                version = max(version, live)
+            elif version < live:
                 raise APIError(
                     400,
                     f"version {body.version} is older than the live policy version {live} (versions never go "
@@ -45,7 +49,7 @@ def admin_routes(backend: Backend, cfg: InferenceConfig) -> APIRouter:
                     "version",
                 )
             try:
-                version = await backend.update_weights(body.path, body.version)
+                version = await backend.update_weights(body.path, version)
             except WeightsError as error:
                 raise APIError(400, str(error), "path") from None
         return {"policy_version": version}
