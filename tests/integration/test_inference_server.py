@@ -573,7 +573,7 @@ def test_health_answers_at_once_while_heavy_requests_are_tokenized(server, http)
     async def flood() -> list[int]:
         async with httpx.AsyncClient(base_url=server, timeout=120) as client:
             body = {"messages": [{"role": "user", "content": text}]}
-            heavy = [asyncio.create_task(client.post("/v1/chat/completions", json=body)) for _ in range(6)]
+            heavy = [asyncio.create_task(client.post("/v1/chat/completions", json=body)) for _ in range(8)]
             while not all(task.done() for task in heavy):
                 started = time.perf_counter()
                 assert (await client.get("/health")).status_code == 200
@@ -581,8 +581,9 @@ def test_health_answers_at_once_while_heavy_requests_are_tokenized(server, http)
                 await asyncio.sleep(0.02)
             return [task.result().status_code for task in heavy]
 
-    assert asyncio.run(flood()) == [400] * 6  # longer than seq_len, found once tokenized
-    assert len(latencies) >= 5 and max(latencies) < 0.5, latencies
+    assert asyncio.run(flood()) == [400] * 8  # longer than seq_len, found once tokenized
+    # Tokenized on the event loop, the 8 requests held it for seconds; a loaded 2-core machine needs the margin.
+    assert len(latencies) >= 5 and max(latencies) < 2.0, sorted(latencies)[-5:]
 
 
 def test_health_answers_at_once_while_a_large_answer_is_built(server, http):
@@ -601,7 +602,7 @@ def test_health_answers_at_once_while_a_large_answer_is_built(server, http):
             return (await answer).status_code
 
     assert asyncio.run(heavy_answer()) == 200
-    assert max(latencies) < 0.5, sorted(latencies)[-5:]
+    assert max(latencies) < 2.0, sorted(latencies)[-5:]  # built and written on the event loop: ~10 s
 
 
 @pytest.mark.parametrize(
