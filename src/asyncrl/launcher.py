@@ -432,8 +432,9 @@ def run_rl(cfg: RLConfig, dry_run: bool = False, clean: bool = False) -> int:
             command = [python, "-m", "asyncrl", "inference", "@", str(paths[name])]
             children.append(start(name, command, logs / f"{name}.log", env))
             console.print(f"starting {name} on {url} (log: {logs / f'{name}.log'})")
+        # The servers' own start-up limit, plus time for a server to say why it gave up before we do.
         for child, url in zip(children, orchestrator.inference_urls):
-            wait_healthy(child, url, cfg.deployment.startup_timeout)
+            wait_healthy(child, url, cfg.inference.startup_timeout + 30)
         children.append(
             start(
                 "orchestrator",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import os
 import socket
 import subprocess
@@ -25,6 +27,7 @@ pytestmark = pytest.mark.integration
 ADMIN_TOKEN = "test-admin-token"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 SEQ_LEN = 256
+MAX_REQUEST_BYTES = 256 * 1024
 
 
 def free_port() -> int:
@@ -33,7 +36,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def inference_command(model_dir, port: int) -> list[str]:
+def inference_command(model_dir, port: int, *flags: str) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -47,6 +50,9 @@ def inference_command(model_dir, port: int) -> list[str]:
         str(SEQ_LEN),
         "--num-threads",
         "1",
+        "--device",
+        "cpu",
+        *flags,
     ]
 
 
@@ -62,7 +68,10 @@ def server(model_dir, tmp_path_factory):
     port = free_port()
     env = {**os.environ, "ASYNCRL_ADMIN_TOKEN": ADMIN_TOKEN}
     log_path = tmp_path_factory.mktemp("logs") / "inference.log"
-    with running_server(inference_command(model_dir, port), port, log_path, env=env, timeout=60) as url:
+    command = inference_command(
+        model_dir, port, "--served-model-name", "tiny", "--max-request-bytes", str(MAX_REQUEST_BYTES)
+    )
+    with running_server(command, port, log_path, env=env, timeout=60) as url:
         yield url
 
 
@@ -300,13 +309,14 @@ def test_admin_routes_are_disabled_without_a_token(model_dir, monkeypatch):
 
     from asyncrl.config.schema import InferenceConfig
     from asyncrl.inference.engine import Engine
+    from asyncrl.inference.native_backend import NativeBackend
     from asyncrl.inference.server import create_app
 
     monkeypatch.delenv("ASYNCRL_ADMIN_TOKEN", raising=False)
-    cfg = InferenceConfig(model={"name": str(model_dir)})
+    cfg = InferenceConfig(model={"name": str(model_dir)}, device="cpu")
     engine = Engine(cfg)
     try:
-        response = TestClient(create_app(engine, cfg)).post("/admin/pause", headers=ADMIN)
+        response = TestClient(create_app(NativeBackend(engine), cfg)).post("/admin/pause", headers=ADMIN)
     finally:
         engine.stop()
     assert response.status_code == 403
@@ -422,3 +432,289 @@ def test_the_vllm_backend_without_vllm_fails_with_one_line(model_dir):
     result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert f"vllm is not installed for {sys.executable}" in result.stderr.strip().splitlines()[-1]
+
+
+# ---- clients that go away ----
+
+
+def wait_for_metric(http: httpx.Client, name: str, condition, timeout: float = 30) -> float:
+    deadline = time.monotonic() + timeout
+    while not condition(value := metric(http, name)):
+        assert time.monotonic() < deadline, f"{name} stayed at {value}"
+        time.sleep(0.01)
+    return value
+
+
+def test_a_client_that_disconnects_mid_generation_stops_its_samples(server, http):
+    samples, max_tokens = 16, SEQ_LEN - 3
+    before = metric(http, "generated_tokens_total")
+
+    async def disconnect_mid_way() -> None:
+        async with httpx.AsyncClient(base_url=server, timeout=60) as client:
+            # Greedy decoding of this prompt never meets EOS with the base weights: the request runs long.
+            body = {"prompt_ids": [5, 6, 7], "n": samples, "max_tokens": max_tokens, "temperature": 0.0}
+            request = asyncio.create_task(client.post("/v1/generate", json=body))
+            while metric(http, "generated_tokens_total") < before + 2 * samples:
+                assert not request.done(), "the request finished before the client could leave"
+                await asyncio.sleep(0.005)
+            request.cancel()  # closes the connection, as a client's timeout does
+            with pytest.raises(asyncio.CancelledError):
+                await request
+
+    asyncio.run(disconnect_mid_way())
+    wait_for_metric(http, "running_sequences", lambda running: running == 0, timeout=10)
+    generated = metric(http, "generated_tokens_total") - before
+    assert generated < samples * max_tokens / 2  # the rest of each sample was never decoded
+
+
+def test_a_request_queued_while_paused_is_dropped_when_its_client_times_out(http):
+    assert http.post("/admin/pause", headers=ADMIN).status_code == 200
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            http.post("/v1/generate", json={"prompt_ids": [1, 2], "n": 3, "max_tokens": 4}, timeout=0.5)
+        wait_for_metric(http, "waiting_sequences", lambda waiting: waiting == 0, timeout=10)
+    finally:
+        http.post("/admin/resume", headers=ADMIN)
+    assert metric(http, "waiting_requests") == 0
+
+
+def test_a_request_paused_in_flight_is_dropped_when_its_client_disconnects(server, http):
+    before = metric(http, "generated_tokens_total")
+
+    async def disconnect_while_paused() -> None:
+        async with httpx.AsyncClient(base_url=server, timeout=60) as client:
+            body = {"prompt_ids": [5, 6, 7], "n": 2, "max_tokens": SEQ_LEN - 3, "temperature": 0.0}
+            request = asyncio.create_task(client.post("/v1/generate", json=body))
+            while metric(http, "generated_tokens_total") < before + 4:
+                await asyncio.sleep(0.005)
+            assert http.post("/admin/pause", headers=ADMIN).status_code == 200
+            assert metric(http, "running_sequences") == 2
+            request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await request
+
+    try:
+        asyncio.run(disconnect_while_paused())
+        wait_for_metric(http, "running_sequences", lambda running: running == 0, timeout=10)
+        assert metric(http, "kv_cache_used_tokens") == 0
+    finally:
+        http.post("/admin/resume", headers=ADMIN)
+
+
+# ---- hostile and careless clients ----
+
+GENERATE_ROUTES = {
+    "/v1/generate": lambda **fields: {"prompt_ids": [5, 6, 7], **fields},
+    "/inference/v1/generate": lambda **fields: {"token_ids": [5, 6, 7], "sampling_params": fields},
+    "/v1/completions": lambda **fields: {"prompt": "abc", **fields},
+    "/v1/chat/completions": lambda **fields: {"messages": [{"role": "user", "content": "abcd"}], **fields},
+}
+
+
+def assert_openai_error(response: httpx.Response, status: int, text: str = "") -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json", response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    assert text in error["message"]
+    return error
+
+
+@pytest.mark.parametrize("route", GENERATE_ROUTES)
+@pytest.mark.parametrize(
+    "field, value",
+    [("top_k", 1e30), ("top_k", 2**64), ("max_tokens", 2**63), ("seed", 2**70), ("temperature", 1e400), ("n", 0)],
+)
+def test_an_out_of_range_sampling_value_is_a_400(http, route, field, value):
+    body = json.dumps(GENERATE_ROUTES[route](**{"max_tokens": 2, field: value}))  # 1e400 is "Infinity"
+    assert_openai_error(http.post(route, content=body, headers={"content-type": "application/json"}), 400, field)
+
+
+def test_a_bad_request_among_good_ones_fails_alone(server):
+    async def mixed() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server, timeout=60) as client:
+            good = [client.post("/v1/generate", json={"prompt_ids": [5, 6, 7], "n": 4, "max_tokens": 64})] * 3
+            bad = [client.post(route, json=body(max_tokens=4, top_k=2**64)) for route, body in GENERATE_ROUTES.items()]
+            return await asyncio.gather(*good, *bad)
+
+    responses = asyncio.run(mixed())
+    assert [r.status_code for r in responses] == [200] * 3 + [400] * len(GENERATE_ROUTES)
+    assert all(len(r.json()["choices"]) == 4 for r in responses[:3])
+
+
+def test_a_body_over_max_request_bytes_is_a_413(http):
+    prompt = "x" * MAX_REQUEST_BYTES
+    assert_openai_error(http.post("/v1/completions", json={"prompt": prompt}), 413, "inference.max_request_bytes")
+
+    def chunks():  # no content-length: the server counts as the body streams in
+        yield b'{"prompt": "'
+        for _ in range(MAX_REQUEST_BYTES // 4096 + 1):
+            yield b"x" * 4096
+        yield b'"}'
+
+    streamed = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert_openai_error(streamed, 413, "inference.max_request_bytes")
+
+
+def test_n_and_stop_strings_have_configurable_caps(http):
+    assert_openai_error(http.post("/v1/generate", json={"prompt_ids": [1], "n": 129}), 400, "inference.max_n")
+    several = {"prompt": ["a", "b", "c"], "n": 50, "max_tokens": 1}
+    assert_openai_error(http.post("/v1/completions", json=several), 400, "inference.max_n")
+    many = {"prompt": "a", "stop": [f"s{i}" for i in range(17)], "max_tokens": 1}
+    assert_openai_error(http.post("/v1/completions", json=many), 400, "inference.max_stop_strings")
+    long = {"prompt": "a", "stop": ["s" * 65], "max_tokens": 1}
+    assert_openai_error(http.post("/v1/completions", json=long), 400, "inference.max_stop_string_length")
+
+
+def test_health_answers_at_once_while_heavy_requests_are_tokenized(server, http):
+    text = "abcdefgh " * (MAX_REQUEST_BYTES // 10)  # 1 token per byte: long to tokenize, then too long to serve
+    latencies: list[float] = []
+
+    async def flood() -> list[int]:
+        async with httpx.AsyncClient(base_url=server, timeout=120) as client:
+            body = {"messages": [{"role": "user", "content": text}]}
+            heavy = [asyncio.create_task(client.post("/v1/chat/completions", json=body)) for _ in range(8)]
+            while not all(task.done() for task in heavy):
+                started = time.perf_counter()
+                assert (await client.get("/health")).status_code == 200
+                latencies.append(time.perf_counter() - started)
+                await asyncio.sleep(0.02)
+            return [task.result().status_code for task in heavy]
+
+    assert asyncio.run(flood()) == [400] * 8  # longer than seq_len, found once tokenized
+    # Tokenized on the event loop, the 8 requests held it for seconds; a loaded 2-core machine needs the margin.
+    assert len(latencies) >= 5 and max(latencies) < 2.0, sorted(latencies)[-5:]
+
+
+def test_health_answers_at_once_while_a_large_answer_is_built(server, http):
+    # 128 samples x 100 tokens x 21 logprob entries: ~10 MB of JSON to build and write.
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 128, "max_tokens": 100, "logprobs": True}
+    latencies: list[float] = []
+
+    async def heavy_answer() -> int:
+        async with httpx.AsyncClient(base_url=server, timeout=300) as client:
+            answer = asyncio.create_task(client.post("/v1/chat/completions", json={**body, "top_logprobs": 20}))
+            while not answer.done():
+                started = time.perf_counter()
+                assert (await client.get("/health")).status_code == 200
+                latencies.append(time.perf_counter() - started)
+                await asyncio.sleep(0.02)
+            return (await answer).status_code
+
+    assert asyncio.run(heavy_answer()) == 200
+    assert max(latencies) < 2.0, sorted(latencies)[-5:]  # built and written on the event loop: ~10 s
+
+
+@pytest.mark.parametrize(
+    "route, body, param",
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+            "messages",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab\ud800cd"}]}, "messages"),
+        ("/v1/completions", {"prompt": "ab\ud800cd"}, "prompt"),
+        ("/v1/completions", {"prompt": ["ok", "ab\ud800cd"]}, "prompt"),
+        ("/v1/generate", {"prompt_ids": [1], "\ud800": 1}, None),
+    ],
+)
+def test_malformed_text_is_a_400_in_openai_s_shape(http, route, body, param):
+    raw = json.dumps(body).replace("\\\\ud800", "\\ud800")  # a lone surrogate, as JSON allows
+    response = http.post(route, content=raw, headers={"content-type": "application/json"})
+    error = assert_openai_error(response, 400)
+    assert param is None or error["param"].startswith(param)
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b'"text"', b"\xff\xfe", b""])
+def test_a_body_that_is_not_a_json_object_is_a_400(http, body):
+    assert_openai_error(http.post("/v1/chat/completions", content=body), 400)
+
+
+def test_tiny_temperature_and_top_p_sample_the_most_likely_token(http):
+    greedy = generate(http, prompt_ids=[5, 6, 7], max_tokens=8, temperature=0.0)["choices"][0]
+    for extreme in ({"temperature": 1e-38}, {"top_p": 1e-46, "seed": 3}):
+        [choice] = generate(http, prompt_ids=[5, 6, 7], max_tokens=8, **extreme)["choices"]
+        assert choice["token_ids"] == greedy["token_ids"], extreme
+        assert all(math.isfinite(logprob) for logprob in choice["logprobs"])
+
+
+def test_the_model_is_served_under_its_served_model_name(http, client):
+    assert [card.id for card in client.models.list().data] == ["tiny"]
+    assert http.get("/health").json()["model"] == "tiny"
+    for route, body in GENERATE_ROUTES.items():
+        if route != "/v1/generate":  # our own route takes no model
+            response = http.post(route, json={**body(max_tokens=1), "model": "other"})
+            assert_openai_error(response, 404, "'other'")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="models/tiny", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_update_weights_refuses_bad_values_and_versions_and_keeps_serving(http, model_dir, tokenizer, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    version = http.get("/health").json()["policy_version"]
+    state = model.state_dict()
+    nan = {**state, "model.norm.weight": torch.full_like(state["model.norm.weight"], float("nan"))}
+    embedding = state["model.embed_tokens.weight"].clone().index_fill_(0, torch.tensor([3]), math.inf)
+    inf = {**state, "model.embed_tokens.weight": embedding}
+    ints = {**state, "model.norm.weight": state["model.norm.weight"].long()}
+    for step, weights, problem in ((101, nan, "NaN"), (102, inf, "infinite"), (103, ints, "torch.int64")):
+        folder = publish(tmp_path, step, weights, model.config, tokenizer)
+        response = http.post("/admin/update_weights", headers=ADMIN, json={"path": str(folder), "version": step})
+        assert_openai_error(response, 400, problem)
+    good = publish(tmp_path, 104, state, model.config, tokenizer)
+    for bad_version, problem in ((version - 1, "older than"), (10**23, "version")):
+        if bad_version < 0:
+            continue
+        response = http.post("/admin/update_weights", headers=ADMIN, json={"path": str(good), "version": bad_version})
+        assert_openai_error(response, 400, problem)
+    assert http.get("/health").json()["policy_version"] == version
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True, "top_logprobs": 2}
+    response = http.post("/v1/chat/completions", json=chat)
+    assert response.status_code == 200 and response.json()["choices"][0]["logprobs"]["content"]
+
+
+# ---- who may use it ----
+
+API_KEY = "test-api-key"
+
+
+@pytest.fixture(scope="module")
+def keyed_server(model_dir, tmp_path_factory):
+    port = free_port()
+    command = inference_command(model_dir, port, "--api-key", API_KEY)  # served under its path
+    log_path = tmp_path_factory.mktemp("logs") / "keyed.log"
+    with running_server(command, port, log_path, timeout=60) as url:
+        yield url
+
+
+def test_an_api_key_guards_the_openai_and_generate_routes(keyed_server, model_dir):
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=keyed_server, timeout=30) as http:
+        for route, body in GENERATE_ROUTES.items():
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+                assert_openai_error(http.post(route, json=body(max_tokens=1), headers=headers), 401, "API key")
+            assert http.post(route, json=body(max_tokens=1), headers=key).status_code == 200
+        assert_openai_error(http.get("/v1/models"), 401)
+        assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{keyed_server}/v1", api_key="wrong").models.list()
+    [card] = openai.OpenAI(base_url=f"{keyed_server}/v1", api_key=API_KEY).models.list().data
+    assert card.id == str(model_dir)  # no served_model_name: the model's name
+
+
+def test_listening_beyond_loopback_without_a_key_warns(caplog):
+    from asyncrl.config.schema import InferenceConfig
+    from asyncrl.inference.auth import warn_if_exposed
+
+    open_config, keyed_config = InferenceConfig(), InferenceConfig(api_key="k")
+    for address, config, warned in (
+        ("0.0.0.0", open_config, True),
+        ("::", open_config, True),
+        ("127.0.0.1", open_config, False),
+        ("::1", open_config, False),
+        ("0.0.0.0", keyed_config, False),
+    ):
+        caplog.clear()
+        warn_if_exposed(config, address)
+        assert ("without an API key" in caplog.text) == warned, address

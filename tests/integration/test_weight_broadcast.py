@@ -170,6 +170,7 @@ def test_update_without_broadcast_needs_a_folder_with_weights(tmp_path, monkeypa
 
     from asyncrl.config.schema import InferenceConfig
     from asyncrl.inference.engine import Engine
+    from asyncrl.inference.native_backend import NativeBackend
     from asyncrl.inference.server import create_app
 
     init_model(tmp_path / "base", "tiny")
@@ -177,7 +178,7 @@ def test_update_without_broadcast_needs_a_folder_with_weights(tmp_path, monkeypa
     cfg = InferenceConfig(model={"name": str(tmp_path / "base")}, device="cpu", num_threads=1)
     engine = Engine(cfg)
     try:
-        http = TestClient(create_app(engine, cfg))
+        http = TestClient(create_app(NativeBackend(engine), cfg))
         admin = {"Authorization": "Bearer token"}
         response = http.post("/admin/update_weights", json={"version": 1}, headers=admin)
         assert response.status_code == 400 and "receives no weight broadcast" in response.json()["error"]["message"]

@@ -28,6 +28,7 @@ def model_dir(tmp_path_factory):
 
 def config(model_dir, dtype: str = "float32", **fields) -> InferenceConfig:
     model = {"name": str(model_dir), "dtype": dtype}
+    fields.setdefault("device", "cpu")  # the same test on a GPU host
     return InferenceConfig(model=model, seq_len=128, max_batch_size=4, num_threads=1, **fields)
 
 
@@ -253,6 +254,45 @@ def test_nothing_decodes_while_paused(engine):
     assert engine.stats().waiting_sequences == 1 and engine.stats().paused
     engine.resume().result(TIMEOUT)
     assert len(future.result(TIMEOUT)[0].token_ids) >= 1
+
+
+def test_a_cancelled_request_leaves_the_queue_and_the_batch_even_while_paused(engine):
+    running = engine.generate(GenerationRequest([5, 6, 7], n=2, max_tokens=100, temperature=0.0))
+    wait_until(lambda: engine.stats().generated_tokens >= 4)
+    engine.pause().result(TIMEOUT)
+    waiting = engine.generate(GenerationRequest([1, 2], n=3, max_tokens=4))
+    assert engine.stats().running_sequences == 2 and engine.stats().waiting_sequences == 3
+    waiting.cancel()
+    running.cancel()
+    wait_until(lambda: engine.stats().running_sequences == engine.stats().waiting_sequences == 0)
+    assert engine.stats().kv_cache_used_tokens == 0
+    engine.resume().result(TIMEOUT)
+    assert run(engine, max_tokens=3)[0].token_ids  # the engine goes on serving
+
+
+def test_weights_with_nan_infinite_or_integer_values_are_refused(engine):
+    state = engine.model.state_dict()
+    norm = state["model.norm.weight"]
+    for bad, problem in (
+        (torch.full_like(norm, float("nan")), "NaN or infinite"),
+        (torch.full_like(norm, float("inf")), "NaN or infinite"),
+        (norm.long(), "torch.int64"),
+    ):
+        with pytest.raises(WeightsError, match=problem):
+            engine.update_weights({**state, "model.norm.weight": bad}, 1).result(TIMEOUT)
+    assert engine.policy_version == 0 and torch.isfinite(engine.model.model.norm.weight).all()
+
+
+def test_nan_logits_fail_the_request_with_one_clear_error_and_not_the_engine(engine):
+    norm = engine.model.model.norm.weight
+    saved = norm.detach().clone()
+    with torch.no_grad():
+        norm.fill_(float("nan"))
+    with pytest.raises(AsyncRLError, match="NaN logits"):
+        run(engine, max_tokens=4)
+    with torch.no_grad():
+        norm.copy_(saved)
+    assert run(engine, max_tokens=3)[0].token_ids
 
 
 def test_weights_update_mid_sequence_and_tokens_record_the_version(engine, model_dir, tmp_path):

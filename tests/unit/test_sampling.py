@@ -107,6 +107,18 @@ def test_tiny_top_p_is_greedy():
     assert set(out.token_ids.tolist()) == {0}
 
 
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
+    out = draw(rows([0.0, 3.0, 1.0], 8), top_p=1e-46, seeds=range(8))
+    assert out.token_ids.tolist() == [1] * 8 and out.logprobs.isfinite().all()
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy_with_logprobs_at_temperature_one():
+    for temperature in (1e-38, 1e-46, 1e-6):
+        out = draw(rows([0.0, 3.0, 1.0]), temperature=temperature)
+        assert out.token_ids.tolist() == [1]
+        assert torch.allclose(out.logprobs[0], torch.log_softmax(torch.tensor([0.0, 3.0, 1.0]), dim=-1)[1])
+
+
 def test_temperature_zero_is_greedy_with_logprobs_at_temperature_one():
     out = draw(rows([0.0, 3.0, 1.0]), temperature=0.0)
     assert out.token_ids.tolist() == [1]

@@ -266,7 +266,6 @@ class VLLMConfig(Config):
 
     python: str | None = Field(None, description="Python executable that has vllm installed; default: this one")
     args: list[str] = Field([], description="extra command-line arguments for vLLM's api_server")
-    startup_timeout: float = Field(600.0, gt=0, description="seconds for vLLM to load the model and answer")
 
 
 class WeightTransferConfig(Config):
@@ -298,12 +297,18 @@ class InferenceConfig(Config):
     host: str = Field("127.0.0.1", description="address to bind; loopback by default")
     port: int = Field(8000, ge=0, le=65535, description="port to bind; 0 under `asyncrl rl` picks a free one")
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
+    startup_timeout: float = Field(
+        600.0,
+        gt=0,
+        description="seconds for the server to load the model and answer /health (vLLM: minutes on a loaded "
+        "CPU); `asyncrl rl` waits this long for it",
+    )
     max_batch_size: int = Field(256, ge=1, description="sequences decoded together (KV-cache slots, at most)")
     kv_cache_gb: float | None = Field(
         None,
         gt=0,
         description="GiB preallocated for the KV cache, one seq_len slot per running sequence; default: what "
-        "max_batch_size slots need, at most 2 GiB on CPU or 80% of the GPU memory left free by the model",
+        "max_batch_size slots need, at most 2 GiB on CPU or 80% of the GPU memory left free by the model (vLLM's too)",
     )
     cuda_graphs: bool = Field(True, description="replay decoding steps as CUDA graphs (GPU only)")
     compile: bool = Field(
@@ -327,6 +332,22 @@ class InferenceConfig(Config):
     admin_token: str | None = Field(
         None, description="token for /admin routes; default: the ASYNCRL_ADMIN_TOKEN environment variable"
     )
+    api_key: str | None = Field(
+        None,
+        description="bearer key the OpenAI and generate routes require (like vLLM's --api-key); default: the "
+        "ASYNCRL_API_KEY environment variable; none: the routes are open",
+    )
+    served_model_name: str | None = Field(
+        None, description="the model's id in the API (`model` of requests and answers); default: model.name"
+    )
+    max_request_bytes: int = Field(
+        2 * 2**20, ge=1024, description="largest request body in bytes (a larger one is refused with 413)"
+    )
+    max_n: int = Field(
+        128, ge=1, description="most samples one request may ask for (n, times the prompts of /v1/completions)"
+    )
+    max_stop_strings: int = Field(16, ge=0, description="most stop strings one request may give")
+    max_stop_string_length: int = Field(64, ge=1, description="longest stop string, in characters")
 
     @model_validator(mode="after")
     def _broadcast_needs_the_native_engine(self) -> InferenceConfig:
@@ -544,7 +565,6 @@ class DeploymentConfig(Config):
     inference_replicas: int = Field(
         1, ge=1, description="inference servers started; the orchestrator spreads groups over them"
     )
-    startup_timeout: float = Field(300.0, gt=0, description="seconds to wait for the inference servers")
 
 
 class RLConfig(Config):

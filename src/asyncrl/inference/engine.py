@@ -28,9 +28,10 @@ request prefills its own prompt (its samples share it only among themselves).
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +46,16 @@ from asyncrl.inference.kv_cache import GIB, KVCache, bytes_per_token, slots_for_
 from asyncrl.inference.model_runner import ModelRunner, check_supported
 from asyncrl.inference.sampling import HostCopy, SampledTokens, SamplingBatch, sample, sample_fused
 from asyncrl.inference.scheduler import Scheduler
-from asyncrl.inference.sequence import Completion, GenerationRequest, PendingRequest, Sequence, TokenCallback
+from asyncrl.inference.sequence import (
+    MAX_TOP_LOGPROBS,
+    Completion,
+    GenerationRequest,
+    PendingRequest,
+    RequestError,
+    Sequence,
+    TokenCallback,
+    check_request,
+)
 from asyncrl.inference.shared_prompts import SharedPrompts
 from asyncrl.loading import load_model, load_tokenizer, resolve_device
 from asyncrl.transport.weights import load_state_dict
@@ -63,14 +73,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MAX_TOP_LOGPROBS = 20
 MAX_PREFILL_TOKENS = 16384  # prompt rows x longest prompt in one prefill; bounds its activation memory
 DEFAULT_CPU_KV_CACHE_GB = 2.0
 DEFAULT_GPU_KV_CACHE_FRACTION = 0.8  # of the memory free once the model is loaded
-
-
-class RequestError(AsyncRLError):
-    """A request the engine cannot serve as asked (too long, bad token ids); the caller should fix it."""
+NAN_LOGITS = "generation failed: the model gave NaN logits (are its weights finite? is bfloat16 overflowing?)"
 
 
 class WeightsError(AsyncRLError):
@@ -198,7 +204,7 @@ class Engine:
         """Queue a request; the future resolves to its n completions. Raises RequestError at once when the
         request cannot be served. Cancelling the future drops the request's remaining work. `on_token` sees
         every token as it is sampled (see TokenCallback)."""
-        self._validate(request)
+        check_request(request, self.cfg.seq_len, self.vocab_size)
         with self._wakeup:
             seeds = [
                 request.seed + index if request.seed is not None else self._seeds.getrandbits(63)
@@ -207,7 +213,19 @@ class Engine:
             pending = PendingRequest(request, seeds, on_token)
             self.scheduler.add(pending.sequences)
             self._wakeup.notify()
+        pending.future.add_done_callback(self._drop_if_cancelled)
         return pending.future
+
+    def _drop_if_cancelled(self, future: Future) -> None:
+        """A cancelled request leaves at once, paused or not: its waiting samples now, its running ones between
+        two steps, so that nothing is decoded for a caller who left, nor holds a KV-cache slot."""
+        if not future.cancelled():
+            return
+        with self._wakeup:
+            self.scheduler.drop_abandoned()
+            if not self._stopping and any(sequence.abandoned for sequence in self.scheduler.running):
+                self._commands.append((self._release_abandoned, Future()))
+            self._wakeup.notify()
 
     def pause(self) -> Future[None]:
         """No step runs until `resume`; requests keep queueing. Resolves once no step is in flight."""
@@ -259,32 +277,6 @@ class Engine:
         for _, future in self._commands:
             if future.set_running_or_notify_cancel():
                 future.set_exception(stopped)
-
-    def _validate(self, request: GenerationRequest) -> None:
-        prompt = len(request.prompt_ids)
-        if prompt == 0:
-            raise RequestError("the prompt is empty (give at least one token)")
-        if prompt + request.max_tokens > self.cfg.seq_len:
-            raise RequestError(
-                f"prompt ({prompt} tokens) + max_tokens ({request.max_tokens}) = {prompt + request.max_tokens} "
-                f"tokens is longer than the server's seq_len ({self.cfg.seq_len}) (shorten the prompt, lower "
-                "max_tokens or raise inference.seq_len)"
-            )
-        bad = [token for token in request.prompt_ids if not 0 <= token < self.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        for ok, problem in (
-            (request.n >= 1, "n must be at least 1"),
-            (request.max_tokens >= 1, "max_tokens must be at least 1"),
-            (request.temperature >= 0, "temperature must be >= 0 (0 is greedy)"),
-            (0 < request.top_p <= 1, "top_p must be in (0, 1]"),
-            (request.top_k >= 0, "top_k must be >= 0 (0 is no limit)"),
-            (0 <= request.min_p <= 1, "min_p must be in [0, 1] (0 is no limit)"),
-            (all(request.stop), "stop strings must not be empty"),
-            (0 <= request.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}"),
-        ):
-            if not ok:
-                raise RequestError(problem)
 
     def _command(self, action: Callable[[], Any]) -> Future:
         future: Future = Future()
@@ -446,6 +438,10 @@ class Engine:
             if sequence.abandoned:
                 leaving.append(sequence)
                 continue
+            if math.isnan(logprobs[row]):  # NaN logits: the weights (or their precision) failed, not the request
+                sequence.request.fail(AsyncRLError(NAN_LOGITS))
+                leaving.append(sequence)
+                continue
             request = sequence.params
             token = token_ids[row]
             sequence.token_ids.append(token)
@@ -468,6 +464,18 @@ class Engine:
                 leaving.append(sequence)
         if not leaving:
             return
+        self._release(leaving)
+        for sequence in leaving:
+            if sequence.finish_reason is not None:
+                sequence.request.sequence_finished()
+
+    def _release_abandoned(self) -> None:
+        abandoned = [sequence for sequence in self.scheduler.running if sequence.abandoned]
+        if abandoned:
+            self._release(abandoned)
+
+    def _release(self, leaving: list[Sequence]) -> None:
+        """Free the slots of `leaving` (running samples), keeping the others' KV cache where they now sit."""
         if self.shared_prompts is not None:
             # A leaving sample that holds its group's prompt hands it on before any slot is overwritten.
             for copy in self.shared_prompts.leave(set(leaving), self.scheduler.running):
@@ -477,9 +485,6 @@ class Engine:
         for move in moves:
             start = self.shared_prompts.shared_length(move.sequence) if self.shared_prompts is not None else 0
             self.cache.move(move.source, move.target, move.sequence.num_tokens, start)
-        for sequence in leaving:
-            if sequence.finish_reason is not None:
-                sequence.request.sequence_finished()
 
     def _finish_reason(self, sequence: Sequence, token: int) -> str | None:
         request = sequence.params
@@ -529,8 +534,19 @@ class Engine:
             raise WeightsError(
                 f"weights in {origin} do not fit the served model {self.cfg.model.name} ({'; '.join(problems)})"
             )
+        check_weight_values(state.items(), origin)
         self.model.load_state_dict(state, strict=False)
         self.runner.weights_loaded()
+
+
+def check_weight_values(tensors: Iterable[tuple[str, torch.Tensor]], origin: str) -> None:
+    """New weights must be finite floating-point numbers: integers would be cast silently, and one NaN or inf
+    makes every sample NaN. Raises WeightsError naming the first bad tensor."""
+    for name, tensor in tensors:
+        if not tensor.is_floating_point():
+            raise WeightsError(f"weights in {origin}: {name} holds {tensor.dtype} values, not floating-point numbers")
+        if not torch.isfinite(tensor).all():
+            raise WeightsError(f"weights in {origin}: {name} holds NaN or infinite values (the old weights stay)")
 
 
 def _eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:

@@ -5,7 +5,8 @@ sampling temperature, taken BEFORE top-k / top-p / min-p filtering. The trainer 
 quantity with teacher forcing (one forward pass, same temperature, no filtering), so the two sides of the
 importance ratio in the loss measure the same thing. Filtering only narrows which tokens can be drawn.
 
-Temperature 0 means greedy decoding; its log-probabilities are taken at temperature 1.
+Temperature 0 means greedy decoding; its log-probabilities are taken at temperature 1. So does any temperature
+below MIN_TEMPERATURE, as in vLLM: dividing by it would overflow the logits (NaN logprobs, a wrong token).
 
 Each row draws by inverting its cumulative distribution at one uniform number that the caller supplies
 from the row's own generator: a whole batch samples in a few vectorized kernels, and a row's draw depends
@@ -29,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.inference import sampling_kernel
+
+MIN_TEMPERATURE = 1e-5  # below it, sampling is greedy
 
 
 class SamplingParams(Protocol):
@@ -58,7 +61,7 @@ class SamplingBatch:
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
-        greedy = [row.temperature == 0 for row in rows]
+        greedy = [row.temperature < MIN_TEMPERATURE for row in rows]
         return cls(
             temperature=column([1.0 if g else row.temperature for g, row in zip(greedy, rows)], torch.float32),
             top_p=column([row.top_p for row in rows], torch.float32),
@@ -172,7 +175,9 @@ def filter_logprobs(
     # tokens ranked above it already hold top_p of the mass.
     probs = torch.softmax(sorted_lp, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    sorted_lp = sorted_lp.masked_fill((mass_before >= top_p[:, None]) & (top_p[:, None] < 1), float("-inf"))
+    # The most likely token (rank 0) always stays, also for a top_p that rounds to 0 in float32.
+    dropped = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1) & (rank > 0)
+    sorted_lp = sorted_lp.masked_fill(dropped, float("-inf"))
     # min-p: keep tokens at least min_p times as likely as the most likely one (which top-k/p never drop).
     sorted_lp = sorted_lp.masked_fill(sorted_lp < sorted_lp[:, :1] + min_p.log()[:, None], float("-inf"))
     kept = torch.full_like(logprobs, float("-inf")).scatter(-1, order, sorted_lp)

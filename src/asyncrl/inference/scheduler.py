@@ -77,6 +77,10 @@ class Scheduler:
             self.version += 1
         return moves
 
+    def drop_abandoned(self) -> None:
+        """Forget the waiting samples whose request was cancelled (or failed)."""
+        self.waiting = deque(sequence for sequence in self.waiting if not sequence.abandoned)
+
     def clear(self) -> list[Sequence]:
         """Empty the batch (after a failed step); returns the samples that were running."""
         running, self.running = self.running, []

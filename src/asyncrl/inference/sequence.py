@@ -6,10 +6,20 @@ KV-cache slot of its own. The request's future resolves once every sample has fi
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
+
+from asyncrl.errors import AsyncRLError
+
+MAX_TOP_LOGPROBS = 20
+INT64 = range(-(2**63), 2**63)  # what a sampling integer must fit: the engine holds them in int64 tensors
+
+
+class RequestError(AsyncRLError):
+    """A request the engine cannot serve as asked (too long, bad token ids); the caller should fix it."""
 
 
 @dataclass(frozen=True)
@@ -26,6 +36,38 @@ class GenerationRequest:
     seed: int | None = None  # sample i draws from a generator seeded with seed + i
     top_logprobs: int = 0  # alternatives recorded per token
     ignore_eos: bool = False  # sample on past EOS until max_tokens (benchmarks); stop tokens still stop
+
+
+def check_request(request: GenerationRequest, seq_len: int, vocab_size: int) -> None:
+    """Raise RequestError naming what is wrong with `request`, for a server of `seq_len` tokens and a vocabulary
+    of `vocab_size`. A request that passes cannot fail the decoding batch it joins."""
+    prompt = len(request.prompt_ids)
+    if prompt == 0:
+        raise RequestError("the prompt is empty (give at least one token)")
+    if request.max_tokens < 1:
+        raise RequestError("max_tokens must be at least 1")
+    if prompt + request.max_tokens > seq_len:
+        raise RequestError(
+            f"prompt ({prompt} tokens) + max_tokens ({request.max_tokens}) = {prompt + request.max_tokens} "
+            f"tokens is longer than the server's seq_len ({seq_len}) (shorten the prompt, lower max_tokens or "
+            "raise inference.seq_len)"
+        )
+    bad = next((token for token in request.prompt_ids if not 0 <= token < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+    # NaN fails every comparison, so each bound below refuses it too.
+    for ok, problem in (
+        (request.n >= 1, "n must be at least 1"),
+        (0 <= request.temperature < math.inf, "temperature must be a finite number >= 0 (0 is greedy)"),
+        (0 < request.top_p <= 1, "top_p must be in (0, 1]"),
+        (0 <= request.top_k < 2**63, "top_k must be >= 0 and below 2**63 (0 is no limit)"),
+        (0 <= request.min_p <= 1, "min_p must be in [0, 1] (0 is no limit)"),
+        (all(request.stop), "stop strings must not be empty"),
+        (0 <= request.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}"),
+        (request.seed is None or request.seed in INT64, "seed must fit in 64 bits"),
+    ):
+        if not ok:
+            raise RequestError(problem)
 
 
 @dataclass
@@ -50,7 +92,7 @@ class PendingRequest:
 
     def __init__(self, request: GenerationRequest, seeds: list[int], on_token: TokenCallback | None = None):
         self.request = request
-        self.stop_token_ids = frozenset(request.stop_token_ids)  # checked for every sampled token
+        self.stop_token_ids = frozenset(request.stop_token_ids)  # checked at every token: a set, whatever its size
         self.on_token = on_token
         self.future: Future[list[Completion]] = Future()
         self.sequences = [Sequence(self, index, seed) for index, seed in enumerate(seeds)]
