@@ -13,15 +13,16 @@ from asyncrl.inference.backend import WEIGHT_UPDATE_TIMEOUT, Backend
 from asyncrl.inference.engine import Engine, EngineStats
 from asyncrl.inference.prometheus import prometheus_text
 from asyncrl.inference.sequence import Completion, GenerationRequest, TokenCallback
-from asyncrl.transport.broadcast import WeightReceiver
+from asyncrl.transport.transfer import FolderSource
+from asyncrl.transport.waiting import PeerTimeout
 
 
 class NativeBackend(Backend):
     name = "native"
 
-    def __init__(self, engine: Engine, receiver: WeightReceiver | None = None):
+    def __init__(self, engine: Engine, weights: FolderSource | None = None):
         self.engine = engine
-        self.receiver = receiver
+        self.weights = weights or FolderSource()  # where an update's weights come from (transport/transfer.py)
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.vocab_size
         self.summary = f"{engine.device}, {engine.cfg.model.dtype}"
@@ -44,19 +45,12 @@ class NativeBackend(Backend):
         await wait_for_engine(self.engine.resume())
 
     async def update_weights(self, path: str | None, version: int) -> int:
-        source: Any = path
-        if path is None:
-            if self.receiver is None:
-                raise APIError(
-                    400,
-                    "no path given, and this server receives no weight broadcast (give the path of a published "
-                    "weights/step_N folder, or start the server with weight_transfer.mode = 'broadcast')",
-                    "path",
-                )
-            try:
-                source, version = await asyncio.to_thread(self.receiver.take, version, WEIGHT_UPDATE_TIMEOUT)
-            except AsyncRLError as error:
-                raise APIError(504, str(error)) from None
+        try:
+            source, version = await asyncio.to_thread(self.weights.weights, path, version, WEIGHT_UPDATE_TIMEOUT)
+        except PeerTimeout as error:
+            raise APIError(504, str(error)) from None
+        except AsyncRLError as error:
+            raise APIError(400, str(error), "path") from None
         try:
             return await wait_for_engine(self.engine.update_weights(source, version), WEIGHT_UPDATE_TIMEOUT)
         except TimeoutError:
@@ -70,8 +64,7 @@ class NativeBackend(Backend):
         pass
 
     def close(self) -> None:
-        if self.receiver is not None:
-            self.receiver.stop()
+        self.weights.stop()
         self.engine.stop()
 
 

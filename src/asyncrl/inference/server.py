@@ -34,7 +34,7 @@ from asyncrl.inference.native_backend import NativeBackend
 from asyncrl.inference.openai_routes import openai_routes
 from asyncrl.inference.token_routes import token_routes
 from asyncrl.loading import resolve_device
-from asyncrl.transport.broadcast import WeightReceiver
+from asyncrl.transport.transfer import make_source
 
 log = logging.getLogger("asyncrl.inference")
 
@@ -101,10 +101,13 @@ def http_server(app: FastAPI) -> uvicorn.Server:
 
 
 def start_native(cfg: InferenceConfig) -> NativeBackend:
-    receiver = None
-    if cfg.weight_transfer.mode == "broadcast":  # listening now; the trainer joins when it starts
-        receiver = WeightReceiver(cfg.weight_transfer, resolve_device(cfg.device))
-    return NativeBackend(Engine(cfg), receiver)
+    # Broadcast: the receiver starts joining trainer rank 0's group now, and keeps trying until it is there.
+    weights = make_source(cfg.weight_transfer, resolve_device(cfg.device))
+    try:
+        return NativeBackend(Engine(cfg), weights)
+    except BaseException:
+        weights.stop()
+        raise
 
 
 def serve(cfg: InferenceConfig) -> int:
