@@ -23,6 +23,8 @@ commands:
   model init    build a small model and byte-level tokenizer offline
   dashboard     a local web page of runs: live charts, configs, logs, rollouts ('asyncrl dashboard outputs')
   plot          PNG plots of runs' standard curves ('asyncrl plot RUN [RUN ...] --out DIR')
+  slurm         render the run as one sbatch script for several nodes ('--submit' submits it; docs/clusters.md)
+  k8s           render the run as Kubernetes manifests (docs/clusters.md)
 
 Config files are layered left to right ('@ a.toml @ b.toml'), then dotted flags override them
 ('--trainer.optim.lr 1e-5'). 'asyncrl rl --dry-run' prints the resolved configs and starts nothing;
@@ -145,6 +147,10 @@ def _run(command: str, argv: list[str]) -> int | None:
         return _dashboard(argv)
     if command == "plot":
         return _plot(argv)
+    if command in ("slurm", "k8s", "run-folder"):
+        from asyncrl.clusters import commands
+
+        return {"slurm": commands.slurm, "k8s": commands.k8s, "run-folder": commands.run_folder}[command](argv)
     if command == "model":
         if not argv or argv[0] != "init":
             raise AsyncRLError("usage: asyncrl model init --output DIR [--preset small]")

@@ -371,7 +371,9 @@ class OrchestratorConfig(Config):
         description="the inference servers of the pool (`asyncrl rl` sets them); native or vLLM, on any host",
     )
     inference_api_key: str | None = Field(
-        None, description="sent as 'Authorization: Bearer <key>' to the servers' generate route (inference.api_key)"
+        None,
+        description="sent as 'Authorization: Bearer <key>' to the servers' generate route (inference.api_key); "
+        "default: the ASYNCRL_API_KEY environment variable",
     )
     environments: dict[str, RLEnvironmentConfig] = Field(
         default_factory=lambda: {"reverse_text": RLEnvironmentConfig()},
@@ -567,6 +569,70 @@ class DeploymentConfig(Config):
     )
 
 
+class SlurmConfig(Config):
+    """What `asyncrl slurm` writes into the sbatch script besides the layout (docs/clusters.md)."""
+
+    partition: str | None = Field(None, description="#SBATCH --partition; unset: the cluster's default")
+    account: str | None = Field(None, description="#SBATCH --account")
+    time: str | None = Field(None, description="#SBATCH --time, e.g. '2-00:00:00'; unset: the partition's limit")
+    sbatch: list[str] = Field(
+        [], description="more #SBATCH options, one per entry, e.g. ['--qos=high', '--mem=0']"
+    )
+    setup: list[str] = Field(
+        [], description="shell lines run first on the first node, e.g. ['module load cuda/12.4']"
+    )
+    python: str | None = Field(
+        None, description="the Python with asyncrl installed on every node; default: the one that renders the script"
+    )
+
+
+class K8sConfig(Config):
+    """What `asyncrl k8s` writes into the manifests besides the layout (docs/clusters.md)."""
+
+    image: str | None = Field(None, description="container image with asyncrl installed (required)")
+    namespace: str | None = Field(None, description="namespace of every object; unset: kubectl's current one")
+    storage: str = Field("100Gi", description="size of the shared run volume (a ReadWriteMany claim)")
+    storage_class: str | None = Field(None, description="storage class of the claim; unset: the cluster's default")
+    volume_path: str = Field(
+        "/shared", description="where the volume is mounted and every process works: relative paths live on it"
+    )
+    gpu_resource: str = Field("nvidia.com/gpu", description="the extended resource name of a GPU")
+
+
+class ClusterConfig(Config):
+    """A run over several nodes, rendered by `asyncrl slurm` or `asyncrl k8s` (docs/clusters.md): trainer nodes
+    (the first also runs the orchestrator) and inference nodes. `deployment` applies to `asyncrl rl` only, but
+    for its thread counts."""
+
+    name: str | None = Field(None, description="job name / object prefix; default: output_dir's folder name")
+    trainer_nodes: int = Field(1, ge=1, description="nodes of the trainer: one torchrun agent each")
+    trainer_ranks_per_node: int = Field(1, ge=1, description="trainer ranks on each trainer node (one per GPU)")
+    inference_nodes: int = Field(1, ge=1, description="nodes of the inference servers")
+    replicas_per_node: int = Field(
+        1, ge=1, description="inference servers on each inference node (one per GPU); server i listens on port + i"
+    )
+    gpus_per_node: int = Field(0, ge=0, description="GPUs each node has and the job requests; 0: CPU nodes")
+    rendezvous_port: int = Field(
+        29500, ge=1, le=65535, description="torchrun's rendezvous port on the first trainer node"
+    )
+    folder_timeout: float = Field(
+        300.0, gt=0, description="seconds each node waits to see the run folder's token (the shared-folder check)"
+    )
+    slurm: SlurmConfig = SlurmConfig()
+    k8s: K8sConfig = K8sConfig()
+
+    @model_validator(mode="after")
+    def _one_gpu_each(self) -> ClusterConfig:
+        if self.gpus_per_node:
+            for key in ("trainer_ranks_per_node", "replicas_per_node"):
+                if getattr(self, key) > self.gpus_per_node:
+                    raise ValueError(
+                        f"cluster.{key} = {getattr(self, key)} but a node has {self.gpus_per_node} GPUs "
+                        "(cluster.gpus_per_node): each takes one GPU of its own"
+                    )
+        return self
+
+
 class RLConfig(Config):
     """The `asyncrl rl` config: one file for all three processes.
 
@@ -585,6 +651,7 @@ class RLConfig(Config):
     deployment: DeploymentConfig = DeploymentConfig()
     wandb: WandbConfig = WandbConfig()
     tensorboard: TensorBoardConfig = TensorBoardConfig()
+    cluster: ClusterConfig = ClusterConfig()
     inference: InferenceConfig = InferenceConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     trainer: TrainerConfig = TrainerConfig()

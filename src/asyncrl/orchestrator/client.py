@@ -40,7 +40,7 @@ class InferenceClient:
     def __init__(self, url: str, admin_token: str | None, request_timeout: float, api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.admin_token = admin_token or os.environ.get("ASYNCRL_ADMIN_TOKEN")
-        self.api_key = api_key
+        self.api_key = api_key or os.environ.get("ASYNCRL_API_KEY")
         self.request_timeout = request_timeout
         self.http = httpx.AsyncClient(
             base_url=self.url, timeout=request_timeout, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY)
