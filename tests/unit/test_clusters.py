@@ -15,6 +15,7 @@ import yaml
 from asyncrl.clusters import k8s, run_folder, slurm
 from asyncrl.clusters.commands import load_as_given
 from asyncrl.clusters.layout import process_configs
+from asyncrl.clusters.prepare import prepare
 from asyncrl.config import ConfigError, RLConfig, load
 from asyncrl.errors import AsyncRLError
 
@@ -78,7 +79,7 @@ def small_run(tmp_path, *flags: str) -> RLConfig:
 def test_prepare_writes_every_config_then_the_token_every_node_checks(tmp_path, monkeypatch):
     monkeypatch.setenv(run_folder.TOKEN_ENV, "job-token")
     cfg = small_run(tmp_path)
-    assert run_folder.prepare(cfg) is None
+    assert prepare(cfg) is None
     run = tmp_path / "run"
     assert sorted(p.name for p in (run / "configs").iterdir()) == [
         "inference.toml", "orchestrator.toml", "rl.toml", "trainer.toml"
@@ -99,20 +100,20 @@ def test_a_node_that_sees_another_folder_says_so(tmp_path):
 def test_prepare_keeps_an_earlier_run_unless_told_to_clean_it(tmp_path, monkeypatch):
     monkeypatch.setenv(run_folder.TOKEN_ENV, "job-token")
     cfg = small_run(tmp_path)
-    run_folder.prepare(cfg)
+    prepare(cfg)
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "source": "trainer"}\n')
     with pytest.raises(AsyncRLError, match="already holds a run"):
-        run_folder.prepare(cfg)
-    run_folder.prepare(cfg, clean=True)
+        prepare(cfg)
+    prepare(cfg, clean=True)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_a_job_requeued_before_its_first_checkpoint_starts_over(tmp_path, monkeypatch):
     monkeypatch.setenv(run_folder.TOKEN_ENV, "job-token")
     cfg = small_run(tmp_path)
-    run_folder.prepare(cfg)
+    prepare(cfg)
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "source": "trainer"}\n')
-    assert run_folder.prepare(cfg, requeued=True) is None
+    assert prepare(cfg, requeued=True) is None
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     assert "resume" not in tomllib.loads((tmp_path / "run" / "configs" / "trainer.toml").read_text())
 
@@ -120,7 +121,7 @@ def test_a_job_requeued_before_its_first_checkpoint_starts_over(tmp_path, monkey
 def test_prepare_needs_the_jobs_token(tmp_path, monkeypatch):
     monkeypatch.delenv(run_folder.TOKEN_ENV, raising=False)
     with pytest.raises(AsyncRLError, match="ASYNCRL_RUN_TOKEN is not set"):
-        run_folder.prepare(small_run(tmp_path))
+        prepare(small_run(tmp_path))
 
 
 # ---- Slurm ----

@@ -44,8 +44,10 @@ def run_folder(argv: list[str]) -> int:
     from asyncrl.clusters import run_folder as folder
 
     if argv[:1] == ["prepare"]:
+        from asyncrl.clusters.prepare import prepare
+
         cfg, _, flags = load_as_given(argv[1:], frozenset({"--clean", "--requeued"}))
-        folder.prepare(cfg, clean="--clean" in flags, requeued="--requeued" in flags)
+        prepare(cfg, clean="--clean" in flags, requeued="--requeued" in flags)
         return 0
     if argv[:1] == ["check"]:
         parser = argparse.ArgumentParser(prog="asyncrl run-folder check")

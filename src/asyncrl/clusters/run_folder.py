@@ -1,11 +1,10 @@
-"""The run folder of a cluster run: one folder, on a filesystem that every node mounts at the same path.
+"""The run folder of a cluster run is one folder, on a filesystem that every node mounts at the same path.
 
-Before any process starts, `prepare` runs once, on one node: it makes the folder ready (a new run; or, with
-`resume` or after a requeue, the run rewound to its newest whole checkpoint, as `asyncrl rl --resume` does),
-writes each process's config into configs/, and last writes the job's random token to RUN_TOKEN. Then
-`check` runs on every node and waits until it reads that same token there. A node that mounts another
-folder at that path, or none, stops the job with one line that says so, before anything is trained or
-generated: without this, a trainer rank would wait for rollout files that are written elsewhere.
+The job gives every node a random token (ASYNCRL_RUN_TOKEN). Once the folder is prepared (prepare.py), its
+token is written to RUN_TOKEN, last; then `check` runs on every node and waits until it reads that same token
+there. A node that mounts another folder at that path, or none, stops the job with one line that says so,
+before anything is trained or generated: without this, a trainer rank would wait for rollout files that
+are written elsewhere. The check runs before anything else on every node, so this module imports no torch.
 """
 
 from __future__ import annotations
@@ -14,12 +13,7 @@ import os
 import socket
 from pathlib import Path
 
-from asyncrl import checkpoints
-from asyncrl.clusters.layout import process_configs
-from asyncrl.config import RLConfig, write_toml
-from asyncrl.config.schema import ResumeConfig
 from asyncrl.errors import AsyncRLError
-from asyncrl.launcher import prepare_output_dir, resume_run
 from asyncrl.transport.waiting import PeerTimeout, wait_for
 
 TOKEN_FILE = "RUN_TOKEN"
@@ -31,38 +25,6 @@ def job_token() -> str:
     if not token:
         raise AsyncRLError(f"{TOKEN_ENV} is not set (the job script or manifest sets it to a random token per job)")
     return token
-
-
-def prepare(cfg: RLConfig, clean: bool = False, requeued: bool = False) -> int | None:
-    """Make the run folder ready and write configs/; returns the checkpoint step the run resumes from, if any.
-    A requeued job resumes from its newest whole checkpoint, or starts over when it has none yet."""
-    output_dir = Path(cfg.output_dir)
-    step = None
-    if requeued and _has_whole_checkpoint(output_dir):
-        step = resume_run(output_dir, None, cfg.max_steps, clean=False)
-    elif requeued:
-        print(f"requeued before the first checkpoint: starting {output_dir} over", flush=True)
-        prepare_output_dir(output_dir, clean=True)
-    elif cfg.resume is not None:
-        step = resume_run(output_dir, cfg.resume.step, cfg.max_steps, clean)
-    else:
-        prepare_output_dir(output_dir, clean)
-    configs = process_configs(cfg)
-    for name in ("orchestrator", "trainer"):
-        configs[name].resume = ResumeConfig(step=step) if step is not None else None
-    for name, config in configs.items():
-        write_toml(config, output_dir / "configs" / f"{name}.toml")
-    write_toml(cfg, output_dir / "configs" / "rl.toml")
-    mark(output_dir, job_token())
-    return step
-
-
-def _has_whole_checkpoint(output_dir: Path) -> bool:
-    try:
-        checkpoints.find_resume_step(output_dir, checkpoints.RL_PARTS, None)
-    except AsyncRLError:
-        return False
-    return True
 
 
 def mark(output_dir: Path, token: str) -> None:
