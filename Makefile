@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # CUDA build: for a small CPU-only install use TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu".
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test
+.PHONY: setup demo test test-slurm
 
 setup: $(VENV)/.installed
 
@@ -22,3 +22,7 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# `asyncrl slurm` against a real Slurm (opt-in; needs the distribution's slurm-wlm, see docs/clusters.md)
+test-slurm: setup
+	$(BIN)/python -m pytest -q -m slurm tests/integration/test_slurm.py

@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import tomllib
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -248,3 +249,24 @@ def test_cpu_nodes_request_no_gpus():
 def test_manifests_that_cannot_run_are_one_clear_error(flags, message):
     with pytest.raises(AsyncRLError, match=message):
         manifests(*flags)
+
+
+# ---- the examples ----
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize(
+    "layers",
+    [["slurm/cpu.toml"], ["reverse_text/rl.toml", "slurm/gpu.toml"]],
+)
+def test_the_slurm_examples_render_to_valid_bash(layers):
+    cfg, raw, _ = load_as_given([arg for layer in layers for arg in ("@", str(EXAMPLES / layer))], frozenset())
+    assert subprocess.run(["bash", "-n"], input=slurm.render(cfg, raw), text=True).returncode == 0
+
+
+def test_the_kubernetes_example_renders_valid_manifests():
+    argv = ["@", str(EXAMPLES / "arithmetic" / "rl.toml"), "@", str(EXAMPLES / "k8s" / "gpu.toml")]
+    cfg, raw, _ = load_as_given([*argv, "--model.name", "Qwen/Qwen3-0.6B"], frozenset())
+    for document in yaml.safe_load_all(k8s.render(cfg, raw)):
+        kubernetes_validate.validate(document, kubernetes_validate.latest_version(), strict=True)

@@ -42,9 +42,12 @@ def render(cfg: RLConfig, raw: dict[str, Any], clean: bool = False) -> str:
     config = tomli_w.dumps(raw)
     if "\nASYNCRL_CONFIG\n" in f"\n{config}":
         raise AsyncRLError("the config holds a line 'ASYNCRL_CONFIG', which ends the script's copy of it; rename it")
+    nodes = cluster.trainer_nodes + cluster.inference_nodes
     return environment.get_template("job.sbatch").render(
         name=run_name(cfg),
-        nodes=cluster.trainer_nodes + cluster.inference_nodes,
+        nodes=nodes,
+        trainer_span=_span(1, cluster.trainer_nodes),
+        inference_span=_span(cluster.trainer_nodes + 1, nodes),
         trainer_nodes=cluster.trainer_nodes,
         inference_nodes=cluster.inference_nodes,
         ranks_per_node=cluster.trainer_ranks_per_node,
@@ -64,6 +67,10 @@ def render(cfg: RLConfig, raw: dict[str, Any], clean: bool = False) -> str:
         inference_config="inference" if count == 1 else "inference_$SLURM_PROCID",
         inference_log="inference" if count == 1 else "inference_%t",
     )
+
+
+def _span(first: int, last: int) -> str:
+    return f"node {first}" if first == last else f"nodes {first}-{last}"
 
 
 def _sbatch_options(cfg: RLConfig) -> list[str]:
