@@ -1,7 +1,7 @@
-"""Several nodes on one host. The trainer over two torchrun agents (one rank each, a c10d rendezvous on
-loopback) computes what one agent with two ranks does; and a whole run laid out as on a cluster, each
-process started on its own from the configs `asyncrl run-folder prepare` wrote, the orchestrator reaching
-the inference servers only by URL at this host's address, learns."""
+"""A run laid out as on a cluster, on one host: each process started on its own from the configs
+`asyncrl run-folder prepare` wrote, the orchestrator reaching the inference servers only by URL at this
+host's address, the trainer over two torchrun agents. It learns. (Two trainer nodes of one rank computing
+what one node of two ranks does: tests/integration/test_trainer.py.)"""
 
 from __future__ import annotations
 
@@ -17,16 +17,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 from rl_runs import by_source  # tests/integration, on sys.path under pytest
-from test_trainer import STEPS, trainer_metrics, write_rollouts
 
 from asyncrl.models import init_model
-from asyncrl.transport.weights import load_state_dict, weights_dir
 
 pytestmark = pytest.mark.integration
-
-TRAINER_FLAGS = ["--optim.lr", "1e-3", "--num-threads", "1", "--keep-weights", "2", "--wait-timeout", "60"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -67,46 +62,6 @@ def tiny_model(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("model") / "tiny"
     init_model(path, "tiny")
     return path
-
-
-def train(model: Path, output_dir: Path, agents: list[list[str]]) -> None:
-    """Run the trainer under one torchrun agent per entry of `agents` (its launcher flags), side by side."""
-    trainer = ["-m", "asyncrl", "trainer", "--model.name", str(model), "--output-dir", str(output_dir),
-               "--max-steps", str(STEPS), *TRAINER_FLAGS]  # fmt: skip
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", *flags, *trainer],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment(),
-        )  # fmt: skip
-        for flags in agents
-    ]
-    try:
-        outputs = [p.communicate(timeout=240)[0] for p in processes]
-    finally:
-        for p in processes:
-            p.kill()
-    for p, output in zip(processes, outputs):
-        assert p.returncode == 0, output
-
-
-def test_two_nodes_of_one_rank_train_as_one_node_of_two_ranks(tmp_path, tiny_model):
-    one_node, two_nodes = tmp_path / "one_node", tmp_path / "two_nodes"
-    for output_dir in (one_node, two_nodes):
-        write_rollouts(output_dir, world_size=2)
-    train(tiny_model, one_node, [["--standalone", "--nproc-per-node=2"]])
-    rendezvous = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
-                  f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=two-nodes"]  # fmt: skip
-    train(tiny_model, two_nodes, [rendezvous, rendezvous])
-
-    one, two = trainer_metrics(one_node), trainer_metrics(two_nodes)
-    assert [m["step"] for m in one] == [m["step"] for m in two] == list(range(1, STEPS + 1))
-    for a, b in zip(one, two):
-        for name in ("loss", "entropy", "mismatch_kl", "masked/low", "masked/high", "grad_norm"):
-            assert a[name] == pytest.approx(b[name], rel=1e-4, abs=1e-6), (a["step"], name)
-    expected, got = load_state_dict(weights_dir(one_node, STEPS)), load_state_dict(weights_dir(two_nodes, STEPS))
-    assert expected.keys() == got.keys()
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-4, msg=name)
 
 
 RUN_STEPS = 30
@@ -151,20 +106,17 @@ def test_a_run_laid_out_over_nodes_learns_with_servers_reached_only_by_url(tmp_p
     with ExitStack() as stack:
         for i in range(2):
             start(f"inference_{i}", [*asyncrl, "inference", "@", str(run / "configs" / f"inference_{i}.toml")])
-        agents = [
-            start(f"trainer_node{node}", [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
-                  "--nproc-per-node=1", f"--node-rank={node}", rendezvous, "-m", "asyncrl", "trainer", "@",
-                  str(run / "configs" / "trainer.toml")])  # fmt: skip
-            for node in range(2)
-        ]
+        trainer = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", rendezvous]
+        trainer_args = ["-m", "asyncrl", "trainer", "@", str(run / "configs" / "trainer.toml")]
+        agents = [start(f"trainer_node{n}", [*trainer, f"--node-rank={n}", *trainer_args]) for n in range(2)]
         orchestrator = start("orchestrator", [*asyncrl, "orchestrator", "@", str(run / "configs/orchestrator.toml")])
         deadline = time.monotonic() + 420
         for name, process in [*zip(("trainer_node0", "trainer_node1"), agents), ("orchestrator", orchestrator)]:
             code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
             assert code == 0, f"{name} exited with {code}:\n" + (run / "logs" / f"{name}.log").read_text()[-3000:]
 
-    trainer, orchestrator_metrics = by_source(run, "trainer"), by_source(run, "orchestrator")
-    assert sorted(trainer) == list(range(1, RUN_STEPS + 1))
+    trained, orchestrator_metrics = by_source(run, "trainer"), by_source(run, "orchestrator")
+    assert sorted(trained) == list(range(1, RUN_STEPS + 1))
     rewards = [orchestrator_metrics[n]["reward/mean"] for n in range(1, RUN_STEPS + 1)]
     first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-10:])
     assert last > 2 * first and last > first + 0.03, f"reward did not rise: {rewards}"

@@ -163,7 +163,7 @@ def trained_steps(run_dir: Path) -> int:
 
 
 def test_the_sbatch_script_runs_the_job_learns_and_a_requeued_job_resumes(slurm, tiny_model, tmp_path):
-    """"Learns": the reverse_text reward of a randomly initialised tiny model at least doubles, from about 0.03
+    """The run "learns": the reverse_text reward of a randomly initialised tiny model at least doubles, from about 0.03
     over the first 5 steps, as it learns which bytes answers are made of."""
     run_dir = tmp_path / "run"
     job = submit(slurm, tiny_model, run_dir, "--max-steps", str(STEPS), "--ckpt.interval", "5")

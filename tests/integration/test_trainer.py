@@ -1,9 +1,11 @@
-"""The trainer as real processes: `asyncrl trainer` under torchrun on 1 and 2 ranks, and `asyncrl sft`."""
+"""The trainer as real processes: `asyncrl trainer` under torchrun on 1 and 2 ranks (and 2 nodes of one rank), and
+`asyncrl sft`."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -76,33 +78,36 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_model) -> dict[int, Path]:
-    """The same three global batches trained on 1 rank and on 2 ranks."""
-    runs = {}
+def trained(tmp_path_factory, tiny_model) -> dict[int | str, Path]:
+    """The same three global batches trained on 1 rank, on 2 ranks, and on 2 "nodes" of one rank each (two
+    torchrun agents meeting at a c10d rendezvous on loopback, as on two machines)."""
+    args = ["trainer", "--model.name", str(tiny_model), "--max-steps", str(STEPS), "--optim.lr", "1e-3",
+            "--num-threads", "1", "--keep-weights", "2", "--wait-timeout", "60"]  # fmt: skip
+    runs: dict[int | str, Path] = {}
     for world_size in (1, 2):
         output_dir = tmp_path_factory.mktemp(f"world{world_size}")
         write_rollouts(output_dir, world_size)
-        run_asyncrl(
-            [
-                "trainer",
-                "--model.name",
-                str(tiny_model),
-                "--output-dir",
-                str(output_dir),
-                "--max-steps",
-                str(STEPS),
-                "--optim.lr",
-                "1e-3",
-                "--num-threads",
-                "1",
-                "--keep-weights",
-                "2",
-                "--wait-timeout",
-                "60",
-            ],
-            nproc=world_size,
-        )
+        run_asyncrl([*args, "--output-dir", str(output_dir)], nproc=world_size)
         runs[world_size] = output_dir
+    runs["two_nodes"] = output_dir = tmp_path_factory.mktemp("two_nodes")
+    write_rollouts(output_dir, 2)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes",
+             "-m", "asyncrl", *args, "--output-dir", str(output_dir)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agents = [
+        subprocess.Popen(agent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for _ in range(2)
+    ]
+    try:
+        for process in agents:
+            output = process.communicate(timeout=240)[0]
+            assert process.returncode == 0, f"torchrun agent failed:\n{output}"
+    finally:
+        for process in agents:
+            process.kill()
     return runs
 
 
@@ -126,6 +131,19 @@ def test_one_and_two_ranks_publish_the_same_weights(trained):
     assert one.keys() == two.keys()
     for name in one:
         torch.testing.assert_close(one[name], two[name], rtol=0, atol=1e-4, msg=name)
+
+
+def test_two_nodes_of_one_rank_train_as_one_node_of_two_ranks(trained):
+    two_ranks, two_nodes = trainer_metrics(trained[2]), trainer_metrics(trained["two_nodes"])
+    assert [m["step"] for m in two_nodes] == [1, 2, 3]
+    for a, b in zip(two_ranks, two_nodes):
+        for name in ("loss", "entropy", "mismatch_kl", "masked/low", "masked/high", "grad_norm"):
+            assert b[name] == pytest.approx(a[name], rel=1e-4, abs=1e-6), (a["step"], name)
+    expected = load_state_dict(weights_dir(trained[2], STEPS))
+    got = load_state_dict(weights_dir(trained["two_nodes"], STEPS))
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-4, msg=name)
 
 
 def test_weights_change_and_load_with_from_pretrained(trained, tiny_model):

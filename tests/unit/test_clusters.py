@@ -146,7 +146,7 @@ def test_the_sbatch_script_asks_for_every_node_and_starts_each_role_with_srun(tm
     assert "--nodes=3 --ntasks-per-node=4" in sruns[1] and "--gpus-per-task=1" in script
     assert "--nnodes=2 --nproc-per-node=8" in script and '--node-rank="$SLURM_NODEID"' in script
     assert "--overlap" in sruns[3]
-    assert 'configs/inference_$SLURM_PROCID.toml' in script
+    assert "configs/inference_$SLURM_PROCID.toml" in script
     assert f"RUN={tmp_path / 'run'}" in script
 
 
@@ -179,7 +179,7 @@ def manifests(*flags: str) -> dict[str, dict]:
 
 
 def test_the_manifests_validate_against_the_kubernetes_api_schemas():
-    for name, document in manifests().items():
+    for document in manifests().values():
         for version in KUBERNETES_VERSIONS:
             kubernetes_validate.validate(document, version, strict=True)  # raises with the path of a bad field
 

@@ -197,7 +197,7 @@ class Manifests:
         containers = []
         for local in range(per_node):
             # The pod's ordinal ends its hostname (<name>-inference-<n>); server n x per_node + local is this one.
-            config = "inference" if single else f'inference_$(( ${{HOSTNAME##*-}} * {per_node} + {local} ))'
+            config = "inference" if single else f"inference_$(( ${{HOSTNAME##*-}} * {per_node} + {local} ))"
             command = ["sh", "-c", f'exec asyncrl inference @ "{CONFIG_PATH}/{config}.toml"']
             port = self.cfg.inference.port + local
             containers.append(
@@ -299,4 +299,3 @@ _Dumper.add_representer(str, _Dumper.represent_str)
 
 def render(cfg: RLConfig, raw: dict[str, Any], clean: bool = False) -> str:
     return Manifests(cfg, raw, clean).render()
-
