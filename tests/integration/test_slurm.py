@@ -28,7 +28,7 @@ from asyncrl.models import init_model
 pytestmark = [pytest.mark.slurm, pytest.mark.integration]
 
 COMMANDS = ("slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo")
-SETUP = "sudo apt-get install -y slurm-wlm"
+SETUP = "sudo apt-get update && sudo apt-get install -y slurm-wlm"
 STEPS = 30
 
 
