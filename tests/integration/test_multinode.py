@@ -15,6 +15,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 from rl_runs import by_source  # tests/integration, on sys.path under pytest
@@ -114,6 +115,10 @@ def test_a_run_laid_out_over_nodes_learns_with_servers_reached_only_by_url(tmp_p
         for name, process in [*zip(("trainer_node0", "trainer_node1"), agents), ("orchestrator", orchestrator)]:
             code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
             assert code == 0, f"{name} exited with {code}:\n" + (run / "logs" / f"{name}.log").read_text()[-3000:]
+        # The servers listen beyond loopback: they served the orchestrator, which has the job's key, and no one else.
+        url = f"http://{address}:{port}/v1/models"
+        assert httpx.get(url, timeout=10).status_code == 401
+        assert httpx.get(url, headers={"Authorization": "Bearer key"}, timeout=10).status_code == 200
 
     trained, orchestrator_metrics = by_source(run, "trainer"), by_source(run, "orchestrator")
     assert sorted(trained) == list(range(1, RUN_STEPS + 1))
