@@ -240,6 +240,63 @@ def test_top_logprobs_are_recorded_per_token(engine):
         assert top[0][1] >= top[1][1] >= top[2][1] and top[0][1] >= chosen
 
 
+def penalized_reference(
+    model, prompt: list[int], steps: int, bias: dict, repetition: float, frequency: float, presence: float
+) -> tuple[list[int], list[float]]:
+    """Greedy decoding with logit_bias and penalties, written out from their definitions, one full forward per
+    token: what the engine must sample."""
+    tokens, logprobs = [], []
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0, -1].clone()
+        for token, value in bias.items():
+            logits[token] += value
+        for token in set(prompt + tokens):
+            logits[token] = logits[token] / repetition if logits[token] > 0 else logits[token] * repetition
+        for token in set(tokens):
+            logits[token] -= frequency * tokens.count(token) + presence
+        chosen = int(logits.argmax())
+        tokens.append(chosen)
+        logprobs.append(float(torch.log_softmax(logits, dim=-1)[chosen]))
+    return tokens, logprobs
+
+
+def test_logit_bias_and_penalties_sample_what_their_definitions_say(engine, model_dir):
+    fields = {"bias": {65: 0.5, 66: -1.0}, "repetition": 1.3, "frequency": 0.4, "presence": 0.2}
+    prompt = [72, 101, 108, 108, 111]
+    penalized = GenerationRequest(
+        prompt,
+        max_tokens=20,
+        temperature=0.0,
+        logit_bias=fields["bias"],
+        repetition_penalty=fields["repetition"],
+        frequency_penalty=fields["frequency"],
+        presence_penalty=fields["presence"],
+    )
+    # A plain request shares the first steps and leaves: the batch is formed anew around the penalized one,
+    # its counts taken from the tokens generated so far.
+    futures = [engine.generate(penalized), engine.generate(GenerationRequest([9, 8, 7], max_tokens=5))]
+    [completion] = futures[0].result(TIMEOUT)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokens, logprobs = penalized_reference(model, prompt, 20, **fields)
+    assert completion.token_ids == tokens
+    assert torch.allclose(torch.tensor(completion.logprobs), torch.tensor(logprobs), atol=1e-4)
+    [plain] = run(engine, prompt_ids=prompt, max_tokens=20, temperature=0.0)
+    assert plain.token_ids != tokens  # the penalties changed the answer
+
+
+def test_out_of_range_penalties_and_biases_are_refused(engine):
+    for fields, problem in (
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3.0}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logit_bias": {10**6: 1.0}}, "logit_bias token id 1000000"),
+        ({"logit_bias": {1: float("nan")}}, "logit_bias values"),
+    ):
+        with pytest.raises(RequestError, match=problem):
+            engine.generate(GenerationRequest([1, 2], **fields))
+
+
 def test_a_prompt_longer_than_seq_len_is_refused(engine):
     with pytest.raises(RequestError, match="seq_len"):
         engine.generate(GenerationRequest([1] * 100, max_tokens=29))

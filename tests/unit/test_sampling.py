@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
+import pytest
 import torch
 
-from asyncrl.inference.sampling import SamplingBatch, filter_logprobs, inverse_cdf, sample
+from asyncrl.inference.sampling import LogitAdjustments, SamplingBatch, filter_logprobs, inverse_cdf, sample
+from asyncrl.inference.sequence import GenerationRequest
 
 
-@dataclass
-class Params:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    top_logprobs: int = 0
+def Params(prompt_ids: list[int] = [0], **fields) -> GenerationRequest:  # noqa: B006, N802 - read-only default
+    """A request's sampling fields, as the engine passes them to the sampler."""
+    return GenerationRequest(prompt_ids, **fields)
 
 
 def uniforms(*seeds: int) -> torch.Tensor:
@@ -145,3 +142,76 @@ def test_top_logprobs_are_the_most_likely_tokens_at_the_sampling_temperature():
     expected = torch.log_softmax(torch.tensor(LOGITS) / 0.5, dim=-1)
     assert out.top_ids[0].tolist() == [0, 1]
     assert torch.allclose(out.top_logprobs[0], expected[:2])
+
+
+# ---- logit_bias and penalties ----
+
+
+def adjusted(logits: list[float], outputs: list[int], prompt: list[int] = [0], **fields) -> list[float]:  # noqa: B006
+    adjustments = LogitAdjustments.of([Params(prompt, **fields)], [outputs], "cpu")
+    return adjustments.apply(torch.tensor([logits])).tolist()[0]
+
+
+def test_logit_bias_is_added_to_the_logits_of_its_tokens():
+    assert adjusted([2.0, 1.0, 0.5], [], logit_bias={1: 1.5, 2: -100.0}) == [2.0, 2.5, -99.5]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_prompt_and_output_tokens():
+    # Token 0 is in the prompt, 2 and 3 in the output, 1 and 4 in neither.
+    logits = [2.0, 3.0, 0.5, -1.0, -2.0]
+    assert adjusted(logits, [2, 3, 3], prompt=[0], repetition_penalty=2.0) == [1.0, 3.0, 0.25, -2.0, -2.0]
+
+
+def test_frequency_penalty_counts_output_tokens_and_presence_penalty_does_not():
+    logits = [2.0, 1.0, 0.5, 0.0]
+    # Token 0 is in the prompt only: neither penalty touches it. Token 2 was generated twice, 3 once.
+    assert adjusted(logits, [2, 2, 3], prompt=[0], frequency_penalty=0.25) == [2.0, 1.0, 0.0, -0.25]
+    assert adjusted(logits, [2, 2, 3], prompt=[0], presence_penalty=0.5) == [2.0, 1.0, 0.0, -0.5]
+    assert adjusted(logits, [2, 2, 3], prompt=[0], presence_penalty=-0.5) == [2.0, 1.0, 1.0, 0.5]
+
+
+def test_bias_then_repetition_then_frequency_then_presence():
+    # vLLM's order. Token 4: 3.0 + 1.0 biased = 4.0; / 2 repeated = 2.0; - 2 x 0.25 = 1.5; - 0.5 = 1.0.
+    # Token 2 (no bias): 0.5 / 2 = 0.25; - 0.5 = -0.25; - 0.5 = -0.75. Token 0 is in the prompt: 2.0 / 2.
+    fields = {"logit_bias": {4: 1.0}, "repetition_penalty": 2.0, "frequency_penalty": 0.25, "presence_penalty": 0.5}
+    assert adjusted([2.0, -1.0, 0.5, 0.0, 3.0], [2, 2, 4, 4], prompt=[0], **fields) == [
+        1.0,
+        -1.0,
+        -0.75,
+        0.0,
+        1.0,
+    ]
+
+
+def test_rows_without_adjustments_keep_their_logits_and_a_batch_without_any_has_none():
+    logits = torch.tensor([[2.0, 1.0, 0.5], [0.3, 0.2, 0.1]])
+    both = LogitAdjustments.of([Params(), Params(frequency_penalty=1.0)], [[0], [0]], "cpu")
+    assert both.apply(logits).tolist() == [
+        [2.0, 1.0, 0.5],
+        [pytest.approx(-0.7), pytest.approx(0.2), pytest.approx(0.1)],
+    ]
+    assert LogitAdjustments.of([Params(), Params(top_k=2)], [[0], [0]], "cpu") is None
+
+
+def test_the_sampler_counts_the_tokens_it_draws_for_the_next_step():
+    # Greedy with a frequency penalty of 1: token 0 leads by 0.1, is drawn, then loses 1 and token 1 leads.
+    batch = SamplingBatch.of([Params(temperature=0.0, frequency_penalty=1.0)], "cpu")
+    logits = rows([1.0, 0.9, 0.05])
+    assert sample(logits, batch, uniforms(0)).token_ids.tolist() == [0]
+    assert sample(logits, batch, uniforms(0)).token_ids.tolist() == [1]
+    assert sample(logits, batch, uniforms(0)).token_ids.tolist() == [2]  # 0.05 beats 1 - 1 and 0.9 - 1
+
+
+def test_logprobs_are_of_the_adjusted_logits_at_the_temperature():
+    batch = SamplingBatch.of([Params(temperature=0.5, logit_bias={3: 4.0}, top_logprobs=2)], "cpu")
+    out = sample(rows(LOGITS), batch, uniforms(0))
+    expected = torch.log_softmax(torch.tensor([2.0, 1.0, 0.5, 3.0, -3.0]) / 0.5, dim=-1)
+    assert torch.allclose(out.logprobs[0], expected[out.token_ids[0]])
+    assert out.top_ids.tolist() == [[3, 0]]
+    assert torch.allclose(out.top_logprobs[0], expected[[3, 0]])
+
+
+def test_a_logit_bias_steers_greedy_and_sampled_draws():
+    for temperature in (0.0, 1.0):
+        batch = SamplingBatch.of([Params(temperature=temperature, logit_bias={4: 100.0})] * 8, "cpu")
+        assert sample(rows(LOGITS, 8), batch, uniforms(*range(8))).token_ids.tolist() == [4] * 8

@@ -396,7 +396,7 @@ class Engine:
         logits = self.runner.prefill(prompts, rows, first_slot, holders)
         if rows != list(range(len(requests))):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        params = SamplingBatch.of([sequence.params for sequence in admitted], self.device)
+        params = self._sampling_of(admitted)
         self._finish(self._launch(admitted, logits, params, context=0))
 
     def _running_prefixes(self) -> tuple[list[int] | None, list[int] | None]:
@@ -411,9 +411,12 @@ class Engine:
     def _running_sampling(self) -> SamplingBatch:
         version = self.scheduler.version
         if self._sampling is None or self._sampling[0] != version:
-            params = [sequence.params for sequence in self.scheduler.running]
-            self._sampling = (version, SamplingBatch.of(params, self.device))
+            self._sampling = (version, self._sampling_of(self.scheduler.running))
         return self._sampling[1]
+
+    def _sampling_of(self, sequences: list[Sequence]) -> SamplingBatch:
+        params = [sequence.params for sequence in sequences]
+        return SamplingBatch.of(params, self.device, [sequence.token_ids for sequence in sequences])
 
     def _launch(
         self, sequences: list[Sequence], logits: torch.Tensor, params: SamplingBatch, context: int

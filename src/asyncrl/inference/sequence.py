@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
@@ -36,6 +36,11 @@ class GenerationRequest:
     seed: int | None = None  # sample i draws from a generator seeded with seed + i
     top_logprobs: int = 0  # alternatives recorded per token
     ignore_eos: bool = False  # sample on past EOS until max_tokens (benchmarks); stop tokens still stop
+    # Changes to the logits before the temperature, in vLLM's order (see sampling.LogitAdjustments):
+    logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    repetition_penalty: float = 1.0  # tokens of the prompt or the output: logit / it if > 0, else logit x it
+    frequency_penalty: float = 0.0  # minus this x the times the token was generated
+    presence_penalty: float = 0.0  # minus this if the token was generated at all
 
 
 def check_request(request: GenerationRequest, seq_len: int, vocab_size: int) -> None:
@@ -65,9 +70,16 @@ def check_request(request: GenerationRequest, seq_len: int, vocab_size: int) -> 
         (all(request.stop), "stop strings must not be empty"),
         (0 <= request.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}"),
         (request.seed is None or request.seed in INT64, "seed must fit in 64 bits"),
+        (-2 <= request.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+        (-2 <= request.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+        (0 < request.repetition_penalty < math.inf, "repetition_penalty must be a finite number > 0 (1 is none)"),
+        (all(math.isfinite(bias) for bias in request.logit_bias.values()), "logit_bias values must be finite"),
     ):
         if not ok:
             raise RequestError(problem)
+    bad = next((token for token in request.logit_bias if not 0 <= token < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass
