@@ -28,15 +28,23 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 # ChatML, as Qwen models use it: every message is <|im_start|>role\ncontent<|im_end|>\n. Tools given to
 # `apply_chat_template(tools=...)` are listed first, in a system message, with the calling convention Qwen
-# uses: the assistant writes <tool_call>{"name": ..., "arguments": {...}}</tool_call>; results come back
-# as messages of role `tool`.
+# uses: the assistant writes <tool_call>{"name": ..., "arguments": {...}}</tool_call> (an assistant message's
+# `tool_calls`, in OpenAI's shape, are written so after its content); results come back as messages of role
+# `tool`.
 CHAT_TEMPLATE = (
     "{% if tools %}{{ '<|im_start|>system\n# Tools\n<tools>\n' }}"
     "{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
     '{{ \'</tools>\nCall a tool with <tool_call>{"name": <name>, "arguments": <json object>}</tool_call>.\' }}'
     "{{ '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{% set function = call.get('function', call) %}"
+    "{% set arguments = function.get('arguments', {}) %}"
+    "{{ '<tool_call>{\"name\": ' + function['name'] | tojson + ', \"arguments\": ' }}"
+    "{{ arguments if arguments is string else arguments | tojson }}{{ '}</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

@@ -718,3 +718,87 @@ def test_listening_beyond_loopback_without_a_key_warns(caplog):
         caplog.clear()
         warn_if_exposed(config, address)
         assert ("without an API key" in caplog.text) == warned, address
+
+
+# ---- OpenAI fields: each implemented, or refused with a 400 naming it ----
+
+CHAT = {"messages": [{"role": "user", "content": "abcd"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    "route, fields, param",
+    [
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0]",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+            "messages[0].content[0]",
+        ),
+        ("/v1/chat/completions", {"audio": {"voice": "alloy"}}, "audio"),
+        ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+        ("/v1/chat/completions", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        ("/v1/chat/completions", {"reasoning_effort": "low"}, "reasoning_effort"),
+        ("/v1/chat/completions", {"verbosity": "low"}, "verbosity"),
+        ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
+        ("/v1/chat/completions", {"store": True}, "store"),
+        ("/v1/chat/completions", {"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools[0]"),
+        ("/v1/chat/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+        ("/v1/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+        ("/v1/chat/completions", {"frequency_penalty": -3}, "frequency_penalty"),
+        ("/v1/chat/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"suffix": "x"}, "suffix"),
+        ("/v1/completions", {"best_of": 3}, "best_of"),
+        ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/completions", {"logit_bias": {"999999": 1}}, None),  # outside the vocabulary
+    ],
+)
+def test_a_field_asking_what_the_server_does_not_do_is_a_400_naming_it(http, route, fields, param):
+    body = {**CHAT, **fields} if route == "/v1/chat/completions" else {"prompt": "ab", "max_tokens": 2, **fields}
+    error = assert_openai_error(http.post(route, json=body), 400)
+    assert param is None or error["param"].startswith(param), error
+    assert "logit_bias" in error["message"] if param is None else True
+
+
+def test_labels_and_neutral_values_of_openai_fields_are_accepted(http):
+    labels = {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "safety_identifier": "s"}
+    neutral = {"response_format": {"type": "text"}, "modalities": ["text"], "parallel_tool_calls": False}
+    parts = [{"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}]
+    body = {**CHAT, **labels, **neutral, "prompt_cache_key": "p", "messages": [{"role": "user", "content": parts}]}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    completion = {"prompt": "ab", "max_tokens": 2, "best_of": 2, "n": 2, "user": "u"}
+    assert len(http.post("/v1/completions", json=completion).json()["choices"]) == 2
+
+
+def test_logit_bias_steers_every_route(http, client, tokenizer):
+    token = tokenizer.encode("z")[0]
+    for route, body in GENERATE_ROUTES.items():
+        response = http.post(route, json=body(max_tokens=4, temperature=0.0, logit_bias={str(token): 100}))
+        assert response.status_code == 200, (route, response.text)
+        choice = response.json()["choices"][0]
+        assert choice.get("token_ids", [token] * 4) == [token] * 4, route
+        assert choice.get("text", choice.get("message", {}).get("content", "zzzz")) == "zzzz", route
+    reply = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3, logit_bias={str(token): 100}
+    )
+    assert reply.choices[0].message.content == "zzz"
+
+
+def test_a_presence_penalty_keeps_greedy_decoding_from_repeating_tokens(http):
+    plain = generate(http, prompt_ids=[5, 6, 7], max_tokens=24, temperature=0.0)["choices"][0]["token_ids"]
+    assert len(set(plain)) < len(plain)  # the tiny model repeats itself
+    # Its logits span less than 2: a token it has generated falls behind every one it has not.
+    fields = {"max_tokens": 24, "temperature": 0.0, "presence_penalty": 2.0, "ignore_eos": True}
+    penalized = generate(http, prompt_ids=[5, 6, 7], **fields)["choices"][0]["token_ids"]
+    assert len(set(penalized)) == len(penalized) == 24

@@ -169,6 +169,45 @@ def test_generate_logprobs_match_teacher_forcing(http, served_dir):
         assert choice["policy_versions"] == [version] * len(choice["token_ids"])
 
 
+def test_logit_bias_and_penalties_reach_vllm_as_the_native_engine_applies_them(http, served_dir):
+    prompt, bias = [257, 84, 82, 68, 81], {65: 0.5, 66: -1.0}
+    fields = {"repetition_penalty": 1.3, "frequency_penalty": 0.4, "presence_penalty": 0.2}
+    body = {"prompt_ids": prompt, "max_tokens": 12, "temperature": 0.0, "logit_bias": bias, **fields}
+    [choice] = generate(http, **body)["choices"]
+    model = AutoModelForCausalLM.from_pretrained(served_dir, dtype=torch.float32)
+    tokens, logprobs = [], []
+    for _ in range(12):  # greedy decoding with the adjustments written out from their definitions
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0, -1].clone()
+        for token, value in bias.items():
+            logits[token] += value
+        for token in set(prompt + tokens):
+            penalty = fields["repetition_penalty"]
+            logits[token] = logits[token] / penalty if logits[token] > 0 else logits[token] * penalty
+        for token in set(tokens):
+            logits[token] -= fields["frequency_penalty"] * tokens.count(token) + fields["presence_penalty"]
+        tokens.append(int(logits.argmax()))
+        logprobs.append(float(torch.log_softmax(logits, dim=-1)[tokens[-1]]))
+    assert choice["token_ids"] == tokens
+    assert torch.allclose(torch.tensor(choice["logprobs"]), torch.tensor(logprobs), atol=1e-4)
+
+
+def test_a_required_tool_call_is_sampled_again_through_vllm(server, served_dir):
+    # The random model never writes a call: three rounds of fresh samples, then a 422.
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.UnprocessableEntityError, match="in 3 attempts"):
+        client.chat.completions.create(
+            model=str(served_dir),
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[tool],
+            tool_choice="required",
+            n=2,
+            max_tokens=8,
+            seed=1,
+        )
+
+
 def test_greedy_samples_of_one_request_are_served_though_vllm_refuses_n_above_1(http):
     result = generate(http, prompt_ids=[5, 6, 7], n=3, max_tokens=6, temperature=0.0)
     assert len({tuple(choice["token_ids"]) for choice in result["choices"]}) == 1 and len(result["choices"]) == 3

@@ -118,7 +118,10 @@ class OpenAIServer:
             "max_tokens": sampling.max_tokens,
         }
         if tools:
+            # The environment reads calls from the text itself: "none" has the server render the tools and
+            # return the text as written, where "auto" would move the calls out of it.
             body["tools"] = tools
+            body["tool_choice"] = "none"
         try:
             response = await self.http.post("/v1/chat/completions", json=body)
         except httpx.TimeoutException:

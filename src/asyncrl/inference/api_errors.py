@@ -18,6 +18,7 @@ ERROR_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    422: "invalid_request_error",  # well-formed, but the model did not write what tool_choice asks for
     504: "timeout_error",
 }
 

@@ -3,8 +3,9 @@
 The HTTP layer only translates; it never touches tensors. Its parts:
 - `protocol.py`: request bodies and the bounds of every field; `api_errors.py`: OpenAI's error shape;
 - `limits.py`: what one request may ask (body size, samples, stop strings); `auth.py`: API key, admin token;
-- `token_routes.py`: `/v1/generate`, `/inference/v1/generate`; `openai_routes.py`: `/v1/chat/completions`,
-  `/v1/completions`, `/v1/models`; `admin_routes.py`: `/admin/pause|resume|update_weights`;
+- `token_routes.py`: `/v1/generate`, `/inference/v1/generate`; `openai_routes.py`: `/v1/completions`,
+  `/v1/models`, and `/v1/chat/completions` from `chat_routes.py` (tools: `tool_calls.py`); `admin_routes.py`:
+  `/admin/pause|resume|update_weights`;
 - `backend.py`: what the routes need of an engine, served by `native_backend.py` (our engine, in this process)
   or `vllm_backend.py` (a vLLM child process, `vllm_process.py`). The same app serves both.
 """

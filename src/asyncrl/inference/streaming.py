@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from asyncrl.inference.api_errors import error_body
 from asyncrl.inference.backend import Backend
+from asyncrl.inference.protocol import usage
 from asyncrl.inference.sequence import GenerationRequest
 from asyncrl.inference.text import SampleText
 
@@ -83,18 +85,36 @@ class TokenStream:
             task.cancel()
 
 
-def event_stream(stream: TokenStream, chunk: Callable[[StreamPiece], dict], usage: Callable[[], dict | None]):
-    """The SSE response of a TokenStream: one event per piece, the usage event if asked, then [DONE]. A failure
+def usage_chunk(stream_id: str, obj: str, model_name: str, prompt_tokens: int, stream: TokenStream) -> dict:
+    """The last event of a stream asked for `stream_options.include_usage`."""
+    usage_now = usage(prompt_tokens, stream.completion_tokens())
+    return {
+        "id": stream_id,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": [],
+        "usage": usage_now,
+    }
+
+
+def event_stream(
+    stream: TokenStream, chunk: Callable[[StreamPiece], dict | None], final: Callable[[], dict | None]
+) -> StreamingResponse:
+    """The SSE response of a TokenStream: one event per piece (a piece whose `chunk` is None has nothing to
+    say yet: its text is held back), the usage event if asked, then [DONE]. A failure
     mid-stream becomes an error event, which the openai client raises as APIError. Starlette ends the stream
     when the client disconnects, and the `finally` then cancels the requests."""
 
     async def events() -> AsyncIterator[str]:
         try:
             async for piece in stream.pieces():
-                yield sse(chunk(piece))
-            final = usage()
-            if final is not None:
-                yield sse(final)
+                event = chunk(piece)
+                if event is not None:
+                    yield sse(event)
+            last = final()
+            if last is not None:
+                yield sse(last)
         except Exception as error:  # noqa: BLE001 - the status line is sent; the error goes in the stream
             yield sse(error_body(500, str(error)))
         finally:

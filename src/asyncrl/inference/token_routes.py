@@ -36,6 +36,10 @@ def sampling(body: Any) -> dict[str, Any]:
         "top_k": max(body.top_k, 0),  # vLLM spells "no limit" -1
         "min_p": body.min_p,
         "seed": body.seed,
+        "logit_bias": body.logit_bias or {},
+        "repetition_penalty": body.repetition_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "presence_penalty": body.presence_penalty,
     }
 
 

@@ -148,6 +148,12 @@ class VLLMBackend(Backend):
             "stop_token_ids": list(request.stop_token_ids),
             "stop": list(request.stop) or None,
             "ignore_eos": request.ignore_eos,
+            # Applied by vLLM in the native engine's order (bias, repetition, frequency, presence); the logprobs
+            # are of the adjusted distribution there too (--logprobs-mode processed_logprobs).
+            "logit_bias": {str(token): bias for token, bias in request.logit_bias.items()} or None,
+            "repetition_penalty": request.repetition_penalty,
+            "frequency_penalty": request.frequency_penalty,
+            "presence_penalty": request.presence_penalty,
             # vLLM lists the sampled token first and cuts at `logprobs` entries: one more holds the top k.
             "logprobs": request.top_logprobs + 1 if request.top_logprobs else 0,
         }
