@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from asyncrl.errors import AsyncRLError
+from asyncrl.processes import die_with_parent, under_torchrun
 
 USAGE = """usage: asyncrl COMMAND [@ config.toml ...] [--section.key value ...]
 
@@ -103,6 +105,24 @@ def _redirect_rank_output() -> None:
     os.close(fd)
 
 
+def _writing(run: Callable[[], int | None], output_dir: Path, kind: str) -> int | None:
+    """`run()`, a process writing a run folder of `asyncrl rl` or `asyncrl sft`: a write the system refuses
+    (a full disk, a read-only folder) ends it with one line naming the path and the checkpoint to resume from."""
+    from asyncrl import checkpoints
+    from asyncrl.write_errors import describe, refused_write
+
+    try:
+        return run()
+    except (KeyboardInterrupt, SystemExit, AsyncRLError):
+        raise
+    except BaseException as error:  # torch.distributed.checkpoint's errors are BaseExceptions
+        refused = refused_write(error)
+        if refused is None:
+            raise
+        parts = checkpoints.RL_PARTS if kind == "rl" else checkpoints.SFT_PARTS
+        raise describe(refused, output_dir, parts, f"asyncrl {kind}") from None
+
+
 def _run(command: str, argv: list[str]) -> int | None:
     from asyncrl import config as cfg
 
@@ -110,15 +130,21 @@ def _run(command: str, argv: list[str]) -> int | None:
         from asyncrl.launcher import run_rl
 
         config, flags = cfg.load(cfg.RLConfig, argv, frozenset({"--dry-run", "--clean"}))
-        return run_rl(config, dry_run="--dry-run" in flags, clean="--clean" in flags)
+        return _writing(
+            lambda: run_rl(config, dry_run="--dry-run" in flags, clean="--clean" in flags), config.output_dir, "rl"
+        )
     if command == "inference":
+        from asyncrl.cpu_threads import usable_cores
         from asyncrl.inference.server import serve
 
-        return serve(cfg.load(cfg.InferenceConfig, argv)[0])
+        config = cfg.load(cfg.InferenceConfig, argv)[0]
+        config.num_threads = config.num_threads or usable_cores()
+        return serve(config)
     if command == "orchestrator":
         from asyncrl.orchestrator.loop import run_orchestrator
 
-        return run_orchestrator(cfg.load(cfg.OrchestratorConfig, argv)[0])
+        config = cfg.load(cfg.OrchestratorConfig, argv)[0]
+        return _writing(lambda: run_orchestrator(config), config.output_dir, "rl")
     if command == "trainer":
         from asyncrl.trainer.rl import train
 
@@ -128,7 +154,7 @@ def _run(command: str, argv: list[str]) -> int | None:
             from asyncrl.trainer.bench import run_bench
 
             return run_bench(config)
-        return train(config)
+        return _writing(lambda: train(config), config.output_dir, "rl")
     if command == "eval":
         from asyncrl.config.schema import EvalConfig
         from asyncrl.evals.run import run_eval
@@ -142,7 +168,8 @@ def _run(command: str, argv: list[str]) -> int | None:
     if command == "sft":
         from asyncrl.trainer.sft import train_sft
 
-        return train_sft(cfg.load(cfg.SFTConfig, argv)[0])
+        config = cfg.load(cfg.SFTConfig, argv)[0]
+        return _writing(lambda: train_sft(config), config.output_dir, "sft")
     if command == "dashboard":
         return _dashboard(argv)
     if command == "plot":
@@ -169,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
 
         print(help_text(command) if command in COMMANDS else USAGE)
         return
+    if under_torchrun():
+        die_with_parent()  # torchrun does not stop its ranks when it is killed itself
     try:
         code = _run(command, rest)
     except AsyncRLError as e:

@@ -1,8 +1,10 @@
 """`asyncrl rl`: one config in, three processes out.
 
-Inference starts first (the others need it), then the orchestrator, then the trainer under torchrun. Each
-child writes to its own log under `<output_dir>/logs/`; the launcher shows one live progress view read from
-`metrics.jsonl`. If a child fails, the others are stopped and its last log lines are shown.
+Before anything starts, the launcher checks what it can (preflight.py) and takes the run folder's lock
+(run_lock.py). Inference starts first (the others need it), then the orchestrator, then the trainer under
+torchrun. Each child writes to its own log under `<output_dir>/logs/`; the launcher shows one live progress
+view read from `metrics.jsonl`. If a child fails, the others are stopped, each with every process it started,
+and the child's error is shown. Every child dies with the launcher, however the launcher ends (processes.py).
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from asyncrl import checkpoints
+from asyncrl import checkpoints, preflight
 from asyncrl.config import InferenceConfig, OrchestratorConfig, RLConfig, TrainerConfig, to_toml, write_toml
 from asyncrl.config.schema import ResumeConfig
+from asyncrl.cpu_threads import usable_cores
 from asyncrl.errors import AsyncRLError
-from asyncrl.loading import check_model_name
+from asyncrl.loading import check_model
+from asyncrl.processes import child_of, stop_trees
+from asyncrl.run_lock import RunLock
 from asyncrl.trackers import Trackers
 
 console = Console(stderr=False, highlight=False)
@@ -56,7 +61,7 @@ def resolve(cfg: RLConfig) -> tuple[list[InferenceConfig], OrchestratorConfig, T
     orchestrator = cfg.orchestrator.model_copy(deep=True)
     trainer = cfg.trainer.model_copy(deep=True)
     devices, trainer.device = _devices(dep)
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     inference_threads = dep.inference_threads or max(1, cores // 2)
     replicas = []
     for i, device in enumerate(devices):
@@ -127,7 +132,8 @@ def _trainer_env(dep, trainer: TrainerConfig, replicas: list[InferenceConfig]) -
 
 def prepare_output_dir(output_dir: Path, clean: bool) -> None:
     existing = [name for name in RUN_ARTIFACTS if (output_dir / name).exists()]
-    if existing and not clean:
+    # Configs alone are no run (a dry run wrote them, or a launch stopped before starting anything): replaced.
+    if existing and existing != ["configs"] and not clean:
         raise AsyncRLError(
             f"output_dir '{output_dir}' already holds a run ({', '.join(existing)}); pass --clean to delete it, "
             "--resume to continue it from its last checkpoint, or set output_dir to a new folder"
@@ -160,43 +166,52 @@ class Child:
     process: subprocess.Popen
     log: Path
 
+    @property
+    def logs(self) -> list[Path]:
+        """The child's log; for the trainer, also each rank's log (their errors land there)."""
+        return [self.log, *sorted(self.log.with_suffix("").glob("rank_*.log"))]
+
     def tail(self, lines: int = 25) -> str:
-        """The end of the child's log; for the trainer, also of each rank's log (tracebacks land there)."""
-        logs = [self.log, *sorted(self.log.with_suffix("").glob("rank_*.log"))]
+        """The end of each of its logs."""
         parts = []
-        for log in logs:
+        for log in self.logs:
             text = log.read_text(errors="replace") if log.exists() else ""
             if text.strip():
                 parts.append(f"--- {log}\n" + "\n".join(text.splitlines()[-lines:]))
         return "\n".join(parts)
 
+    def error(self) -> str | None:
+        """The one-line error an asyncrl process printed before exiting (`asyncrl trainer: error: ...`), if any."""
+        for log in self.logs:
+            text = log.read_text(errors="replace") if log.exists() else ""
+            found = [line for line in text.splitlines() if line.startswith("asyncrl ") and ": error: " in line]
+            if found:
+                return found[-1]
+        return None
+
 
 def start(name: str, argv: list[str], log: Path, env: dict[str, str]) -> Child:
+    """Start a child that dies with this process (call it from this process's only thread)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     handle = open(log, "ab")
-    # A session of its own lets us stop the child and everything it started (torchrun's ranks) at once.
-    process = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    # A session of its own: a Ctrl-C in the terminal reaches the launcher alone, which stops the children.
+    process = subprocess.Popen(
+        argv,
+        stdout=handle,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        preexec_fn=child_of(os.getpid()),
+    )
     handle.close()
     return Child(name, process, log)
 
 
 def stop(children: list[Child], grace: float = 10.0) -> None:
+    """Stop every child with all it started (torchrun's ranks live in sessions of their own)."""
+    stop_trees([c.process.pid for c in children if c.process.poll() is None], grace)
     for child in children:
-        if child.process.poll() is None:
-            try:
-                os.killpg(child.process.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + grace
-    for child in children:
-        try:
-            child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(child.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            child.process.wait()
+        child.process.wait(timeout=10)
 
 
 def wait_healthy(child: Child, url: str, timeout: float) -> None:
@@ -386,8 +401,28 @@ def check_port_free(host: str, port: int) -> None:
             ) from None
 
 
-def _terminate_as_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+class Stopped(BaseException):
+    """A signal asked the launcher to stop (SIGTERM from a scheduler, SIGHUP from a closed terminal)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+
+
+def _stop_on_signal(signum, frame) -> None:
+    raise Stopped(signum)
+
+
+def check_before_start(cfg: RLConfig, replicas: list[InferenceConfig], orchestrator: OrchestratorConfig,
+                       trainer: TrainerConfig) -> None:  # fmt: skip
+    """Everything that can be found wrong before a process starts (preflight.py)."""
+    preflight.check_output_dir(Path(cfg.output_dir))
+    preflight.check_devices(replicas, trainer, cfg.deployment.trainer_ranks)
+    tokenizer = check_model(cfg.model.name)
+    environments = preflight.local_environments(orchestrator)
+    for warning in preflight.check_prompt_lengths(environments, tokenizer, orchestrator):
+        console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
+    for replica in replicas:
+        check_port_free(replica.host, replica.port)
 
 
 def run_rl(cfg: RLConfig, dry_run: bool = False, clean: bool = False) -> int:
@@ -403,16 +438,27 @@ def run_rl(cfg: RLConfig, dry_run: bool = False, clean: bool = False) -> int:
         console.print(f"(dry run: configs written to {output_dir / 'configs'}; nothing started)")
         return 0
 
-    check_model_name(cfg.model.name)
-    for replica in replicas:
-        check_port_free(replica.host, replica.port)
+    check_before_start(cfg, replicas, orchestrator, trainer)
+    lock = RunLock.acquire(output_dir, "asyncrl rl")
+    try:
+        return _launch(cfg, configs, orchestrator, trainer, replicas, clean)
+    finally:
+        lock.release()
+
+
+def _launch(cfg: RLConfig, configs: dict, orchestrator: OrchestratorConfig, trainer: TrainerConfig,
+            replicas: list[InferenceConfig], clean: bool) -> int:  # fmt: skip
+    """Prepare the run folder, start the processes and supervise them; the exit code."""
+    output_dir = Path(cfg.output_dir)
+    names = replica_names(len(replicas))
     if cfg.resume is not None:
         step = resume_run(output_dir, cfg.resume.step, cfg.max_steps, clean)
         trainer.resume = orchestrator.resume = ResumeConfig(step=step)
     else:
         prepare_output_dir(output_dir, clean)
     # A scheduler's SIGTERM must stop the children too: they run in sessions of their own.
-    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _stop_on_signal)
     paths = {}
     for name, config in configs.items():
         paths[name] = output_dir / "configs" / f"{name}.toml"
@@ -479,16 +525,25 @@ def run_rl(cfg: RLConfig, dry_run: bool = False, clean: bool = False) -> int:
     except ChildFailed as failed:
         child = failed.child
         stop(children)
+        error = child.error()
+        if error is not None:
+            console.print(
+                f"[bold red]{child.name} exited with code {child.process.returncode}[/] ({error}); stopped the "
+                f"others. Logs: {', '.join(str(log) for log in child.logs if log.exists())}",
+                soft_wrap=True,
+            )
+            return 1
         console.print(
             f"[bold red]{child.name} exited with code {child.process.returncode}[/]; stopped the others. "
             "Last log lines:"
         )
         console.print(child.tail(), markup=False)
         return 1
-    except KeyboardInterrupt:
-        console.print("interrupted: stopping inference, orchestrator and trainer")
+    except (KeyboardInterrupt, Stopped) as stopped:
+        signum = stopped.signum if isinstance(stopped, Stopped) else signal.SIGINT
+        console.print(f"interrupted ({signal.Signals(signum).name}): stopping inference, orchestrator and trainer")
         stop(children)
-        return 130
+        return 128 + signum
     except BaseException:
         stop(children)
         raise

@@ -3,11 +3,12 @@ published `weights/step_N`) or a hub id already in the local cache."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from asyncrl.config.schema import ModelConfig
@@ -17,10 +18,13 @@ hf_logging.disable_progress_bar()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
 
 
 def _missing(name: str, error: Exception) -> AsyncRLError:
     reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if Path(name).expanduser().is_dir():
+        return AsyncRLError(f"model folder '{name}' could not be loaded: {reason}")
     return AsyncRLError(
         f"model '{name}' could not be loaded: {reason} (a hub id needs the network or a copy in the Hugging Face "
         "cache; or set model.name to a local model folder, e.g. one made by `asyncrl model init`)"
@@ -36,6 +40,33 @@ def check_model_name(name: str) -> None:
             f"model path '{name}' not found (set model.name to a local model folder, e.g. one made by "
             "`asyncrl model init`, or a Hugging Face id)"
         )
+
+
+def check_model(name: str) -> PreTrainedTokenizerBase:
+    """Fail with one line unless `name` is a loadable model: for a local folder, a config.json that parses and
+    names a known architecture, and weights; its tokenizer is returned."""
+    check_model_name(name)
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        config = folder / "config.json"
+        if not config.is_file():
+            raise AsyncRLError(
+                f"model folder '{name}' has no config.json (model.name must be a Hugging Face model folder, e.g. "
+                "one made by `asyncrl model init` or a published weights/step_N)"
+            )
+        try:
+            json.loads(config.read_text())
+        except ValueError as error:
+            raise AsyncRLError(f"model folder '{name}': config.json is not valid JSON ({error})") from None
+        if not any(any(folder.glob(pattern)) for pattern in WEIGHT_FILES):
+            raise AsyncRLError(
+                f"model folder '{name}' holds no weights ({' or '.join(WEIGHT_FILES)}); was it copied whole?"
+            )
+    try:
+        AutoConfig.from_pretrained(name)
+    except (OSError, ValueError, KeyError) as error:
+        raise _missing(name, error) from None
+    return load_tokenizer(name)
 
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:

@@ -26,6 +26,8 @@ class JsonlWriter:
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, line)
+        except OSError as error:  # os.write names no file
+            raise OSError(error.errno, error.strerror, str(self.path)) from None
         finally:
             os.close(fd)
 

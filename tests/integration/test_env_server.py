@@ -134,7 +134,7 @@ def test_a_local_env_server_is_started_for_the_process_and_ends_with_it():
     url, reward = result.stdout.split()
     assert url.startswith("http://127.0.0.1:") and float(reward) == 1.0
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # stopped at exit (atexit), or by its parent watch within a second
+    while time.monotonic() < deadline:  # stopped at exit (atexit), or killed with its parent
         try:
             httpx.get(f"{url}/health", timeout=1)
         except httpx.TransportError:

@@ -20,11 +20,14 @@ from asyncrl.models import init_model
 
 pytestmark = pytest.mark.integration
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "reverse_text"
+HERE = Path(__file__).resolve().parent
+EXAMPLE = HERE.parents[1] / "examples" / "reverse_text"
+CPU = ["--deployment.inference-device", "cpu", "--deployment.trainer-device", "cpu"]
 
 
 def asyncrl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))  # failing_loss.py
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
     return subprocess.run(
         [sys.executable, "-m", "asyncrl", *args], capture_output=True, text=True, timeout=timeout, env=env
     )
@@ -124,12 +127,11 @@ def test_two_trainer_ranks(warm_model, tmp_path):
 
 
 def test_failing_trainer_stops_the_run_and_shows_why(warm_model, tmp_path):
-    result = run_rl(warm_model, tmp_path / "run", "--max-steps", "3", "--deployment.trainer-device", "cuda",
-                    "--deployment.inference-device", "cpu", timeout=120)  # fmt: skip
+    result = run_rl(warm_model, tmp_path / "run", "--max-steps", "3", "--trainer.loss.type", "custom",
+                    "--trainer.loss.custom", "failing_loss:fail", *CPU, timeout=120)  # fmt: skip
     assert result.returncode == 1
-    assert "trainer exited with code" in result.stdout
-    assert "CUDA" in result.stdout
-    assert "Traceback" not in result.stdout.split("Last log lines")[-1].split("rank_0.log")[-1]
+    assert "trainer exited with code 1" in result.stdout and "stopped the others" in result.stdout
+    assert "RuntimeError: the custom loss failed on purpose" in result.stdout.split("rank_0.log")[-1]
 
 
 def test_missing_model_is_one_clear_error(tmp_path):
@@ -148,13 +150,16 @@ def test_existing_run_folder_is_not_overwritten_without_clean(warm_model, tmp_pa
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == "{}\n"
 
 
-def test_dry_run_writes_configs_and_starts_nothing(tmp_path):
+def test_dry_run_writes_configs_and_starts_nothing_and_does_not_block_the_run(tmp_path):
+    from asyncrl.launcher import prepare_output_dir
+
     result = asyncrl("rl", "--output-dir", str(tmp_path / "run"), "--max-steps", "3", "--dry-run", timeout=60)
     assert result.returncode == 0, result.stderr
     for name in ("inference", "orchestrator", "trainer"):
         assert (tmp_path / "run" / "configs" / f"{name}.toml").exists()
         assert f"# {name}" in result.stdout
     assert not (tmp_path / "run" / "logs").exists()
+    prepare_output_dir(tmp_path / "run", clean=False)  # the run it previews starts there, without --clean
 
 
 def test_port_in_use_is_one_clear_error(warm_model, tmp_path):
@@ -186,7 +191,7 @@ def test_interrupt_stops_every_process(warm_model, tmp_path, signum):
         children = psutil.Process(launcher.pid).children(recursive=True)
         assert len(children) >= 4  # inference, orchestrator, torchrun, one rank
         launcher.send_signal(signum)
-        assert launcher.wait(timeout=30) == 130
+        assert launcher.wait(timeout=30) == 128 + signum  # 130 for Ctrl-C, 143 for a scheduler's SIGTERM
     finally:
         launcher.kill()
     gone, alive = psutil.wait_procs(children, timeout=10)

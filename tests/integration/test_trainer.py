@@ -82,7 +82,7 @@ def trained(tmp_path_factory, tiny_model) -> dict[int | str, Path]:
     """The same three global batches trained on 1 rank, on 2 ranks, and on 2 "nodes" of one rank each (two
     torchrun agents meeting at a c10d rendezvous on loopback, as on two machines)."""
     args = ["trainer", "--model.name", str(tiny_model), "--max-steps", str(STEPS), "--optim.lr", "1e-3",
-            "--num-threads", "1", "--keep-weights", "2", "--wait-timeout", "60"]  # fmt: skip
+            "--num-threads", "1", "--device", "cpu", "--keep-weights", "2", "--wait-timeout", "60"]  # fmt: skip
     runs: dict[int | str, Path] = {}
     for world_size in (1, 2):
         output_dir = tmp_path_factory.mktemp(f"world{world_size}")
@@ -185,6 +185,8 @@ def test_trainer_names_the_missing_rollout_file(tmp_path, tiny_model):
             "0.5",
             "--num-threads",
             "1",
+            "--device",
+            "cpu",
         ],
         capture_output=True,
         text=True,
@@ -217,6 +219,8 @@ def test_sft_lowers_the_loss_and_writes_a_loadable_model(tmp_path, tiny_model):
             "5",
             "--num-threads",
             "1",
+            "--device",
+            "cpu",
         ]
     )
     losses = [m["loss"] for m in read_jsonl(output_dir / "metrics.jsonl") if m["source"] == "sft"]
@@ -228,7 +232,7 @@ def test_sft_lowers_the_loss_and_writes_a_loadable_model(tmp_path, tiny_model):
 
 
 def bench_args(tiny_model: Path, *extra: str) -> list[str]:
-    return ["trainer", "--bench", "--model.name", str(tiny_model), "--num-threads", "1", *extra]
+    return ["trainer", "--bench", "--model.name", str(tiny_model), "--num-threads", "1", "--device", "cpu", *extra]
 
 
 def test_bench_times_the_fsdp_step_on_two_ranks_and_prints_its_figures(tiny_model):
@@ -263,7 +267,7 @@ def test_sft_from_a_jsonl_file_trains_its_epochs_then_stops_and_saves_intermedia
     result = run_asyncrl(
         ["sft", "--model.name", str(tiny_model), "--output-dir", str(output_dir), "--data.path", str(data),
          "--data.epochs", "2", "--data.batch-size", "8", "--eval.size", "4", "--max-steps", "100",
-         "--save-interval", "2", "--log-interval", "1", "--seq-len", "256", "--num-threads", "1"]
+         "--save-interval", "2", "--log-interval", "1", "--seq-len", "256", "--num-threads", "1", "--device", "cpu"]
     )  # fmt: skip
     # 20 rows, 4 held out: 2 epochs of 16 conversations in batches of 8
     assert "the data lasts 4 of max_steps 100" in result.stdout

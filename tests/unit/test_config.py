@@ -146,3 +146,25 @@ def test_help_lists_every_key_with_its_type_default_and_meaning(capsys):
     text = capsys.readouterr().out
     assert "--trainer.optim.lr float (default: 1e-05)" in text
     assert "--orchestrator.environments.<label>.weight float (default: 1.0)" in text
+
+
+def test_an_invalid_shared_key_is_reported_once_not_once_per_section():
+    with pytest.raises(ConfigError) as error:
+        load(RLConfig, ["--seq-len", "4", "--max-steps", "0", "--trainer.optim.lr", "-1"])
+    assert str(error.value).splitlines()[1:] == [
+        "  seq_len: Input should be greater than or equal to 8 (got 4)",
+        "  max_steps: Input should be greater than or equal to 1 (got 0)",
+        "  trainer.optim.lr: Input should be greater than 0 (got -1)",
+    ]
+
+
+def test_rl_serves_inference_on_free_ports_by_default_and_asyncrl_inference_on_8000():
+    from asyncrl.config import InferenceConfig
+
+    assert load(InferenceConfig, [])[0].port == 8000
+    for flags in ([], ["--inference.max-batch-size", "4"]):  # also when the section is given in part
+        cfg = load(RLConfig, [*flags, "--deployment.inference-replicas", "2", "--deployment.inference-device", "cpu",
+                              "--deployment.trainer-device", "cpu"])[0]  # fmt: skip
+        assert cfg.inference.port == 0
+        replicas, _, _ = resolve(cfg)
+        assert len({r.port for r in replicas}) == 2 and all(r.port > 0 for r in replicas)

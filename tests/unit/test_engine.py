@@ -422,7 +422,7 @@ def test_a_sampler_that_cannot_be_built_falls_back_to_torch(model_dir, monkeypat
         with caplog.at_level("WARNING"):
             assert not engine._sampling_kernels_work()
         assert "Triton sampler could not be built (RuntimeError: PTX compile failed); sampling in torch" in caplog.text
-        assert engine.sampling_kernels is False  # a CPU never uses them
+        assert engine.sampling_kernels is False  # the engine is on the CPU, which never uses them
         assert len(run(engine, max_tokens=3)[0].token_ids) == 3
     finally:
         engine.stop()

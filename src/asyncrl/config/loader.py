@@ -150,9 +150,15 @@ def build(model: type[C], raw: dict[str, Any]) -> C:
     try:
         return model.model_validate(raw)
     except ValidationError as e:
+        errors = e.errors()
+        failed = {(tuple(err["loc"]), err["msg"]) for err in errors}
         lines = []
-        for err in e.errors():
-            path = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        for err in errors:
+            loc = tuple(err["loc"])
+            # A shared key's copies in the sections of an `rl` config fail as the key does: say it once.
+            if model is RLConfig and len(loc) > 1 and loc[0] in RL_SECTIONS and (loc[1:], err["msg"]) in failed:
+                continue
+            path = ".".join(str(p) for p in loc) or "(top level)"
             got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
             lines.append(f"{path}: {err['msg']}{got}")
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None

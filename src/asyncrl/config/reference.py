@@ -85,6 +85,10 @@ def keys(
         default = getattr(defaults, name) if defaults is not None else field.get_default(call_default_factory=True)
         if sub is not None and not prefix and model is RLConfig and name in RL_SECTIONS and not expand_sections:
             rows.append(Key(f"{name}.*", "table", "", f"the `asyncrl {name}` keys"))
+            # Where `asyncrl rl` gives a section's key another default than the command alone has.
+            for key, value in default.model_dump(exclude_defaults=True).items():
+                leaf = sub.model_fields[key]
+                rows.append(Key(f"{name}.{key}", type_name(leaf.annotation), str(value), leaf.description or ""))
         elif sub is not None:
             section_default = default if isinstance(default, BaseModel) else None
             rows.extend(keys(sub, f"{prefix}{name}.", section_default, expand_sections))

@@ -221,7 +221,7 @@ class EvalServerConfig(Config):
 
     seq_len: int = Field(2048, ge=8, description="longest prompt + completion the server accepts")
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
-    num_threads: int = Field(0, ge=0, description="torch CPU threads of the server; 0 = half the cores")
+    num_threads: int = Field(0, ge=0, description="torch CPU threads of the server; 0 = half the usable cores")
     args: list[str] = Field([], description="more `asyncrl inference` flags, e.g. ['--max-batch-size', '64']")
     startup_timeout: float = Field(300.0, gt=0, description="seconds for the server to load the model and answer")
 
@@ -295,7 +295,13 @@ class InferenceConfig(Config):
     )
     vllm: VLLMConfig = VLLMConfig()
     host: str = Field("127.0.0.1", description="address to bind; loopback by default")
-    port: int = Field(8000, ge=0, le=65535, description="port to bind; 0 under `asyncrl rl` picks a free one")
+    port: int = Field(
+        8000,
+        ge=0,
+        le=65535,
+        description="port to bind; 0: a free one (the default under `asyncrl rl`, where a fixed port P gives "
+        "replica i port P + i)",
+    )
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
     startup_timeout: float = Field(
         600.0,
@@ -327,7 +333,9 @@ class InferenceConfig(Config):
         "which decoding attention reads for all of them (with the triton decoding attention; the others copy it "
         "into every sample's slot)",
     )
-    num_threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
+    num_threads: int = Field(
+        0, ge=0, description="torch CPU threads; 0 = the usable cores (CPU affinity, capped by a cgroup CPU quota)"
+    )
     weight_transfer: WeightTransferConfig = WeightTransferConfig()
     admin_token: str | None = Field(
         None, description="token for /admin routes; default: the ASYNCRL_ADMIN_TOKEN environment variable"
@@ -479,7 +487,9 @@ class TrainerConfig(Config):
     perf: PerfConfig = PerfConfig()
     bench: BenchConfig = BenchConfig()
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda' (each rank takes cuda:LOCAL_RANK)")
-    num_threads: int = Field(0, ge=0, description="torch CPU threads per rank; 0 keeps torch's default")
+    num_threads: int = Field(
+        0, ge=0, description="torch CPU threads per rank; 0 = the usable cores divided among this machine's ranks"
+    )
     keep_rollouts: bool = Field(False, description="keep rollout files after training on them")
     keep_weights: int = Field(3, ge=1, description="newest weights/step_N folders kept on disk")
     wait_timeout: float = Field(900.0, gt=0, description="seconds to wait for the next batch")
@@ -542,7 +552,9 @@ class SFTConfig(Config):
     data: SFTDataConfig = SFTDataConfig()
     perf: PerfConfig = PerfConfig()
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda'")
-    num_threads: int = Field(0, ge=0, description="torch CPU threads per rank; 0 keeps torch's default")
+    num_threads: int = Field(
+        0, ge=0, description="torch CPU threads per rank; 0 = the usable cores divided among this machine's ranks"
+    )
     log_interval: int = Field(10, ge=1, description="steps between metric lines")
     save_interval: int = Field(
         0, ge=0, description="also write a Hugging Face model to output_dir/weights/step_N every this many steps"
@@ -561,9 +573,9 @@ class DeploymentConfig(Config):
     )
     trainer_device: str = Field("auto", description="device of the trainer ranks")
     inference_threads: int = Field(
-        0, ge=0, description="CPU threads of all inference servers, split among the replicas; 0 = half the cores"
+        0, ge=0, description="CPU threads of all inference servers, split among the replicas; 0 = half the usable cores"
     )
-    trainer_threads: int = Field(0, ge=0, description="CPU threads per trainer rank; 0 = the rest")
+    trainer_threads: int = Field(0, ge=0, description="CPU threads per trainer rank; 0 = the rest of the usable cores")
     inference_replicas: int = Field(
         1, ge=1, description="inference servers started; the orchestrator spreads groups over them"
     )
@@ -652,7 +664,7 @@ class RLConfig(Config):
     wandb: WandbConfig = WandbConfig()
     tensorboard: TensorBoardConfig = TensorBoardConfig()
     cluster: ClusterConfig = ClusterConfig()
-    inference: InferenceConfig = InferenceConfig()
+    inference: InferenceConfig = InferenceConfig(port=0)  # free ports: two runs on one machine do not collide
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     trainer: TrainerConfig = TrainerConfig()
 

@@ -20,7 +20,6 @@ import hashlib
 import itertools
 import json
 import logging
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +32,7 @@ from asyncrl.env_server.workers import WorkerFailed, WorkerPool, example_to_json
 from asyncrl.environments import load_environment
 from asyncrl.environments.base import Environment, Example
 from asyncrl.errors import AsyncRLError
+from asyncrl.processes import die_with_parent
 
 log = logging.getLogger("asyncrl.env_server")
 
@@ -161,15 +161,9 @@ def create_app() -> FastAPI:
     return app
 
 
-async def _watch_parent(pid: int, server: uvicorn.Server) -> None:
-    """Stop when the process that started this server is gone (a local env-server must not outlive it)."""
-    while os.getppid() == pid:
-        await asyncio.sleep(1.0)
-    log.info("parent process %d is gone: stopping", pid)
-    server.should_exit = True
-
-
 def serve_environments(cfg: EnvServerConfig) -> int:
+    if cfg.parent_pid:
+        die_with_parent(cfg.parent_pid)  # a local env-server, and its workers, must not outlive the orchestrator
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     server = uvicorn.Server(
         uvicorn.Config(create_app(), host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
@@ -177,12 +171,6 @@ def serve_environments(cfg: EnvServerConfig) -> int:
     if cfg.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s: anyone who reaches it can run environment code by import path", cfg.host)
 
-    async def main() -> None:
-        watch = asyncio.create_task(_watch_parent(cfg.parent_pid, server)) if cfg.parent_pid else None
-        log.info("env-server on http://%s:%d", cfg.host, cfg.port)
-        await server.serve()
-        if watch is not None:
-            watch.cancel()
-
-    asyncio.run(main())
+    log.info("env-server on http://%s:%d", cfg.host, cfg.port)
+    asyncio.run(server.serve())
     return 0

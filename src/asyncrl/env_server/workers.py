@@ -4,7 +4,8 @@ A call goes to an idle worker over a pipe. A worker that dies during a call (a c
 kernel's OOM killer) or that does not answer within `call_timeout` (an endless loop, a blocking sleep) is
 killed and replaced by a fresh one, and the call fails with `WorkerFailed`: the rollout it belonged to is
 errored and counted, and the other workers go on. Workers are started with `spawn`, so they inherit no
-sockets or threads from the server, and they exit when the server's end of their pipe closes.
+sockets or threads from the server; they exit when the server's end of their pipe closes, and die with the
+server however it ends, even in the middle of a call.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import inspect
 import logging
 import multiprocessing
+import os
 import time
 from dataclasses import asdict
 from typing import Any
@@ -48,9 +50,12 @@ async def _handle(env: Any, method: str, payload: dict[str, Any]) -> dict[str, A
     return asdict(score)
 
 
-def worker_main(connection: Any, name: str, args: dict[str, Any]) -> None:
+def worker_main(connection: Any, name: str, args: dict[str, Any], server_pid: int) -> None:
     """A worker's life: build the environment, then answer calls until the pipe closes."""
     from asyncrl.environments import load_environment
+    from asyncrl.processes import die_with_parent
+
+    die_with_parent(server_pid)
 
     try:
         env = load_environment(name, **args)
@@ -74,7 +79,7 @@ class Worker:
     def __init__(self, name: str, args: dict[str, Any]):
         context = multiprocessing.get_context("spawn")
         self.connection, child = context.Pipe()
-        self.process = context.Process(target=worker_main, args=(child, name, args), daemon=True)
+        self.process = context.Process(target=worker_main, args=(child, name, args, os.getpid()), daemon=True)
         self.process.start()
         child.close()
 

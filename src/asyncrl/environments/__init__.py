@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import traceback
 from typing import Any
 
 from asyncrl.config.schema import RLEnvironmentConfig
@@ -25,9 +26,23 @@ def _builtin() -> dict[str, type[Environment]]:
 def _import(path: str) -> type[Environment]:
     module_name, _, attr = path.partition(":")
     try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
         raise AsyncRLError(f"environment '{path}' could not be imported: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the module's own code failed while it was imported
+        raise AsyncRLError(
+            f"environment '{path}' could not be imported: its module raised {_where(e)}{type(e).__name__}: {e}"
+        ) from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise AsyncRLError(f"environment '{path}' could not be imported: {module_name} has no '{attr}'") from None
+
+
+def _where(error: Exception) -> str:
+    """'at file.py:12: ', the line of the error's innermost frame."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return f"at {frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
 
 
 def load_environment(name: str, **args: Any) -> Environment:
@@ -43,8 +58,12 @@ def load_environment(name: str, **args: Any) -> Environment:
         )
     try:
         return cls(**args)
+    except AsyncRLError:
+        raise
     except (TypeError, ValueError) as e:
         raise AsyncRLError(f"environment '{name}': bad arguments in its args: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the environment's own code failed while it was built
+        raise AsyncRLError(f"environment '{name}' failed to build: {_where(e)}{type(e).__name__}: {e}") from None
 
 
 def environment_from_config(label: str, cfg: RLEnvironmentConfig) -> Environment:

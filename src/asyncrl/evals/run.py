@@ -66,12 +66,13 @@ def inference_server(cfg: EvalConfig) -> Iterator[str]:
     if cfg.inference_url is not None:
         yield cfg.inference_url
         return
+    from asyncrl.cpu_threads import threads_per_process
     from asyncrl.launcher import ChildFailed, free_port, start, stop, wait_healthy
     from asyncrl.loading import check_model_name
 
     check_model_name(cfg.model.name)
     port = free_port()
-    threads = cfg.server.num_threads or max(1, (os.cpu_count() or 1) // 2)
+    threads = cfg.server.num_threads or threads_per_process(2)
     argv = [sys.executable, "-m", "asyncrl", "inference", "--model.name", cfg.model.name, "--port", str(port),
             "--seq-len", str(cfg.server.seq_len), "--device", cfg.server.device, "--num-threads", str(threads),
             "--seed", "0", *cfg.server.args]  # fmt: skip

@@ -36,8 +36,12 @@ from asyncrl.orchestrator.pool import InferencePool, PooledPolicy
 from asyncrl.orchestrator.queue import RolloutQueue
 from asyncrl.orchestrator.sample_log import sample_record
 from asyncrl.orchestrator.sampler import EnvironmentSampler
+from asyncrl.preflight import check_prompt_lengths
 from asyncrl.transport import rollouts as rollout_files
 from asyncrl.transport.transfer import update_source
+
+# Batches in a row without one sampled token before the run stops: nothing can be learned from them.
+EMPTY_BATCHES_LIMIT = 3
 
 
 def load_environments(cfg: OrchestratorConfig) -> dict[str, Environment]:
@@ -91,6 +95,8 @@ async def orchestrate(cfg: OrchestratorConfig) -> None:
     output_dir = Path(cfg.output_dir)
     tokenizer = load_tokenizer(cfg.model.name)
     environments = load_environments(cfg)
+    for warning in check_prompt_lengths(environments, tokenizer, cfg):
+        print(f"orchestrator: warning: {warning}", flush=True)
     # The sampler's state_dict() is all a checkpoint needs to resume the example streams (see sampler.py).
     sampler = EnvironmentSampler(environments, {k: e.weight for k, e in cfg.environments.items()}, cfg.seed)
     notifier = Notifier()
@@ -130,7 +136,7 @@ async def orchestrate(cfg: OrchestratorConfig) -> None:
             asyncio.create_task(pool.watch_health(), name="health watch"),
             asyncio.create_task(dispatcher.run(), name="dispatcher"),
         ]
-        last_cut = time.time()
+        last_cut, empty = time.time(), 0
         for step in range(done + 1, cfg.max_steps + 1):
             evals.start(step)  # alongside the rollouts of this batch, on the weights the servers hold now
             batch = await next_batch(step, cutter, dispatcher, background, cfg.wait_timeout)
@@ -166,6 +172,13 @@ async def orchestrate(cfg: OrchestratorConfig) -> None:
                 flush=True,
             )
             last_cut = cut_at
+            empty = 0 if any(r.num_completion_tokens for r in batch.rollouts) else empty + 1
+            if empty == EMPTY_BATCHES_LIMIT:
+                raise AsyncRLError(
+                    f"batches {step - empty + 1}-{step} hold no sampled token: every rollout ended before its first "
+                    f"answer (prompts as long as seq_len = {cfg.seq_len}, or an environment's max_tokens or "
+                    "time_limit too small), so the trainer would learn nothing; raise seq_len"
+                )
             if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
                 checkpoint.save(
                     output_dir,

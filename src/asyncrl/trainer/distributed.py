@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from asyncrl.cpu_threads import threads_per_process
 from asyncrl.errors import AsyncRLError
 from asyncrl.loading import resolve_device
 
@@ -31,7 +32,8 @@ class World:
 
 
 def init_distributed(device: str, num_threads: int, seed: int) -> World:
-    """Join (or create) the process group, pick this rank's device, set threads and seeds."""
+    """Join (or create) the process group, pick this rank's device, set threads (0: this rank's share of the
+    cores) and seeds."""
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -44,8 +46,8 @@ def init_distributed(device: str, num_threads: int, seed: int) -> World:
                 "(start fewer trainer ranks or set device = 'cpu')"
             )
         torch.cuda.set_device(torch_device)
-    if num_threads > 0:
-        torch.set_num_threads(num_threads)
+    # 0: this rank's share of the machine's cores, not torch's default of all of them in every rank.
+    torch.set_num_threads(num_threads or threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
 
     backend = "nccl" if torch_device.type == "cuda" else "gloo"
     if not dist.is_initialized():

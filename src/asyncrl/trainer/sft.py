@@ -49,6 +49,8 @@ from asyncrl.trainer.sft_data import Chat, load_sft_data
 from asyncrl.transport.weights import save_model_folder
 
 END_OF_TURN = "<|im_end|>"
+# Steps in a row without an answer token before SFT stops: nothing can be learned from them.
+EMPTY_STEPS_LIMIT = 3
 
 
 @dataclass
@@ -216,6 +218,7 @@ def train_sft(cfg: SFTConfig) -> int:
         throughput = Throughput(window=cfg.log_interval)
         save_seconds = None  # the last checkpoint save's time: the next one's ETA
 
+        empty = 0  # steps in a row without an answer token
         for step in range(progress.step + 1, max_steps + 1):
             step_start = time.time()
             batch = list(islice(examples, cfg.data.batch_size))
@@ -234,6 +237,13 @@ def train_sft(cfg: SFTConfig) -> int:
                 [sum(int(r.loss_mask.sum()) for r in rows), sum(r.input_ids.numel() for r in rows)], device=world.device
             )
             answer_tokens, total_tokens = (int(v) for v in all_reduce_sum(local))
+            empty = 0 if answer_tokens else empty + 1
+            if empty == EMPTY_STEPS_LIMIT:
+                raise AsyncRLError(
+                    f"steps {step - empty + 1}-{step} had no answer token within seq_len = {cfg.seq_len} (the "
+                    "prompts fill it, or the data has no assistant turn to train on), so nothing is learned; raise "
+                    "seq_len"
+                )
             lr = set_learning_rate(optimizer, learning_rate(step, cfg.optim, max_steps))
             loss_sum = torch.zeros((), device=world.device)
             for row in rows:

@@ -18,9 +18,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from asyncrl.transport.waiting import wait_for
+from asyncrl.write_errors import save_tensors
 
 
 @dataclass
@@ -57,7 +58,7 @@ def write_batch(path: Path, micro_batches: list[MicroBatch], metadata: dict | No
     meta = {"num_micro_batches": str(len(micro_batches)), "extra": json.dumps(metadata or {})}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    save_file(tensors, tmp, metadata=meta)
+    save_tensors(tensors, tmp, metadata=meta)
     os.replace(tmp, path)
 
 

@@ -19,7 +19,9 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from asyncrl.write_errors import save_tensors
 
 WEIGHTS_FILE = "model.safetensors"
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -44,7 +46,7 @@ def save_model_folder(
         # Tied tensors share storage, which safetensors refuses; loaders re-tie them.
         state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
     tensors = {k: v.detach().contiguous() for k, v in state_dict.items()}
-    save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+    save_tensors(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
     config.save_pretrained(tmp)
     if generation_config is not None:
         generation_config.save_pretrained(tmp)
@@ -76,7 +78,9 @@ def publish_adapter(output_dir: Path, version: int, adapter: dict[str, torch.Ten
     tmp = path.with_name(f".{path.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({k: v.detach().contiguous() for k, v in adapter.items()}, tmp / ADAPTER_FILE, metadata={"format": "pt"})
+    save_tensors(
+        {k: v.detach().contiguous() for k, v in adapter.items()}, tmp / ADAPTER_FILE, metadata={"format": "pt"}
+    )
     (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)

@@ -1,0 +1,88 @@
+"""The processes of a run live and die together.
+
+- A child dies with its parent. On Linux the kernel kills it (SIGKILL) the moment its parent exits, however
+  the parent went (`kill -9` included): `die_with_parent` asks for that (prctl PR_SET_PDEATHSIG). Elsewhere a
+  thread watches the parent and ends the process when it is gone. The launcher asks for it in every child
+  it starts, before the child's program runs; a process started by torchrun asks for it itself, at start,
+  since torchrun starts its ranks in sessions of their own and does not stop them when it is killed.
+- A stopped child takes its whole tree with it: `stop_trees` signals every descendant, not only the child's
+  process group, so ranks that torchrun put in sessions of their own are reached too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+
+import psutil
+
+PR_SET_PDEATHSIG = 1
+# Resolved once, here: a preexec function runs between fork and exec, where loading a library is unsafe.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """Be killed as soon as the parent process exits. With `parent_pid`, the parent this process must have:
+    if it was already gone when this was called (this process then has another parent), die now."""
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    else:
+        threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="parent watch").start()
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def child_of(parent_pid: int):
+    """A `preexec_fn` for `subprocess.Popen`: the child dies with `parent_pid` (the process starting it).
+    Only for a parent with a single thread, as every preexec_fn."""
+    return lambda: die_with_parent(parent_pid)
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a worker that torchrun started."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    """The process and all its descendants that are still running (parents first)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def stop_trees(pids: list[int], grace: float) -> None:
+    """SIGTERM each process and its descendants, wait up to `grace` seconds for them to exit, then SIGKILL
+    what is left. Exited children are not reaped here: their `Popen` keeps its exit code."""
+    processes = [p for pid in pids for p in tree(pid)]
+    _signal(processes, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while (alive := [p for p in processes if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _signal(alive, signal.SIGKILL)
+
+
+def _signal(processes: list[psutil.Process], signum: int) -> None:
+    for process in processes:
+        try:
+            process.send_signal(signum)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
