@@ -68,7 +68,7 @@ def config(**overrides) -> OrchestratorConfig:
 
 
 class Harness:
-    def __init__(self, cfg: OrchestratorConfig, servers: int = 1, env: Scripted | None = None):
+    def __init__(self, cfg: OrchestratorConfig, servers: int = 1, env: Scripted | None = None, **resumed):
         self.cfg = cfg
         self.env = env or Scripted()
         self.notifier = Notifier()
@@ -77,7 +77,7 @@ class Harness:
         self.queue = RolloutQueue()
         sampler = EnvironmentSampler({"scripted": self.env}, {"scripted": 1.0}, cfg.seed)
         self.dispatcher = Dispatcher(
-            cfg, self.pool, {"scripted": self.env}, sampler, ServerView, self.queue, self.notifier
+            cfg, self.pool, {"scripted": self.env}, sampler, ServerView, self.queue, self.notifier, **resumed
         )
         self.cutter = BatchCutter(cfg.batch_size, cfg.batch_tokens, cfg.max_async_level)
 
@@ -234,3 +234,20 @@ def test_seeds_follow_the_group_number_whatever_the_concurrency():
 
     one_at_a_time, all_at_once = asyncio.run(seeds(1)), asyncio.run(seeds(64))
     assert len(set(one_at_a_time)) == 2 and one_at_a_time == all_at_once
+
+
+def test_a_resumed_run_sends_groups_only_to_servers_as_new_as_at_its_checkpoint():
+    """Resumed after batch 2, whose servers held version 2, with a loose bound: the new servers start on the
+    base model (version 0), which the bound alone would allow; no group goes out until they hold version 2."""
+
+    async def main():
+        async with Harness(config(max_async_level=8), cut=2, next_index=4, version_floor=2) as h:
+            assert h.sent() == []
+            assert h.dispatcher.describe().endswith(
+                "dispatch waits for policy version 2 from the trainer (is it running?)"
+            )
+            h.pool.servers[0].version = 2
+            await h.settle()
+            assert h.sent()[:2] == [4, 5] and all(t.version == 2 for t in h.dispatcher.inflight.values())
+
+    run(main())

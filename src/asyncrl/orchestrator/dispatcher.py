@@ -90,6 +90,7 @@ class Dispatcher:
         cut: int = 0,
         next_index: int = 0,
         pending: list[GroupTicket] | None = None,
+        version_floor: int = 0,
     ):
         self.cfg = cfg
         self.pool = pool
@@ -101,6 +102,9 @@ class Dispatcher:
         self.cut = cut  # batches cut so far
         self.next_index = next_index
         self.retry: deque[GroupTicket] = deque(sorted(pending or (), key=lambda t: t.index))
+        # A resumed run's servers start on the base model, which a loose bound may allow: no group goes to a
+        # server older than those of the interrupted run when its checkpoint was taken.
+        self.version_floor = version_floor
         self.inflight: dict[int, GroupTicket] = {}
         self.error: BaseException | None = None  # a failure that must stop the run
         self.waiting_for_version: int | None = None  # set while the bound holds dispatch back
@@ -129,7 +133,7 @@ class Dispatcher:
         blocked = False
         choice = None
         if len(self.inflight) < self.cfg.max_inflight:
-            oldest_useful = min_policy_version(self.cut + 1, self.cfg.max_async_level)
+            oldest_useful = max(min_policy_version(self.cut + 1, self.cfg.max_async_level), self.version_floor)
             server = self.pool.least_loaded(oldest_useful)
             if server is None:
                 blocked = any(s.up for s in self.pool.servers)  # up, but weights too old for the next batch

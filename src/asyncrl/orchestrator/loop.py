@@ -112,10 +112,10 @@ async def orchestrate(cfg: OrchestratorConfig) -> None:
         versions = ", ".join(f"{s.url} (policy version {s.version})" for s in pool.servers)
         print(f"orchestrator: inference ready at {versions}", flush=True)
 
-        done, queue, next_group, pending = 0, RolloutQueue(), 0, []
+        done, queue, next_group, pending, floor = 0, RolloutQueue(), 0, [], 0
         if cfg.resume is not None:
             progress = checkpoint.resume(output_dir, cfg.resume.step, sampler)
-            done, next_group = progress.step, progress.next_group
+            done, next_group, floor = progress.step, progress.next_group, progress.policy_version
             queue = RolloutQueue([checkpoint.decode_group(g) for g in progress.queue])
             pending = [
                 GroupTicket(
@@ -125,8 +125,9 @@ async def orchestrate(cfg: OrchestratorConfig) -> None:
             ]
         policies = {s.index: ServedPolicy(s.client, tokenizer, cfg.sampling, cfg.seq_len) for s in pool.servers}
         dispatcher = Dispatcher(
-            cfg, pool, environments, sampler, lambda s: policies[s.index], queue, notifier, done, next_group, pending
-        )
+            cfg, pool, environments, sampler, lambda s: policies[s.index], queue, notifier, done, next_group, pending,
+            floor,
+        )  # fmt: skip
         cutter = BatchCutter(cfg.batch_size, cfg.batch_tokens, cfg.max_async_level)
         evals = OnlineEvals(cfg, PooledPolicy(pool, tokenizer, cfg.sampling, cfg.seq_len), metrics)
         background = [
