@@ -74,6 +74,17 @@ def test_a_rollout_with_any_token_too_old_is_dropped_alone():
     assert [r.reward for r in g.rollouts] == [1.0] and g.advantages == [0.5]
 
 
+def test_a_rollout_without_a_sampled_token_is_never_too_old():
+    """An episode that ended before its first answer (no room, no time) was sampled by no version: it stays,
+    and adds no lag, so that such batches are cut (and a run of them stopped) instead of waiting forever."""
+    unanswered = ScoredGroup(0, "env", group(0, 0).example, [rollout(0), rollout(0)], [0.0, 0.0])
+    for r in unanswered.rollouts:
+        r.policy_versions = []
+    batch = BatchCutter(batch_size=2, batch_tokens=None, max_async_level=1).cut(RolloutQueue([unanswered]), 5)
+    assert batch is not None and batch.dropped == 0
+    assert batch_metrics(batch, 0)["off_policy/max"] == 0
+
+
 def test_a_batch_can_be_cut_by_tokens():
     queue = RolloutQueue([group(0, 0), group(1, 0), group(2, 0)])  # 8 tokens a group
     cutter = BatchCutter(batch_size=64, batch_tokens=12, max_async_level=1)

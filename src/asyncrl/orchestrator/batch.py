@@ -96,7 +96,7 @@ def rollout_metrics(groups: list[tuple[str, list[Rollout]]]) -> dict[str, Any]:
 def batch_metrics(batch: Batch, num_samples: int) -> dict[str, Any]:
     """What the orchestrator logs about the rollouts of one batch."""
     rollouts = batch.rollouts
-    lags = [(batch.step - 1) - r.min_policy_version for r in rollouts] or [0]
+    lags = [(batch.step - 1) - r.min_policy_version for r in rollouts if r.policy_versions] or [0]
     return {
         **rollout_metrics([(g.label, g.rollouts) for g in batch.groups]),
         "seq_len/mean": _mean([r.num_tokens for r in rollouts]),

@@ -165,10 +165,11 @@ async def orchestrate(cfg: OrchestratorConfig) -> None:
             }
             metrics.log(step, record)
             log_samples(batch, samples_log, cfg.samples_per_step, tokenizer)
+            sampled = [r for r in batch.rollouts if r.policy_versions] or batch.rollouts
             print(
                 f"orchestrator: step {step} reward {record['reward/mean']:.3f} from {len(batch.groups)} groups "
-                f"(policy versions {min(r.min_policy_version for r in batch.rollouts)}-"
-                f"{max(r.max_policy_version for r in batch.rollouts)}, {batch.dropped} dropped), "
+                f"(policy versions {min(r.min_policy_version for r in sampled)}-"
+                f"{max(r.max_policy_version for r in sampled)}, {batch.dropped} dropped), "
                 f"{record['queue/rollouts']} queued, {len(dispatcher.inflight)} groups in flight",
                 flush=True,
             )

@@ -43,8 +43,13 @@ class ScoredGroup:
         return carries_signal(self.advantages)
 
     def drop_older_than(self, version: int) -> int:
-        """Leave out the rollouts with a token older than `version`; returns how many left."""
-        kept = [(r, a) for r, a in zip(self.rollouts, self.advantages) if r.min_policy_version >= version]
+        """Leave out the rollouts with a token older than `version`; returns how many left. A rollout without
+        a sampled token (its episode ended before its first answer) has none: it stays."""
+        kept = [
+            (r, a)
+            for r, a in zip(self.rollouts, self.advantages)
+            if r.min_policy_version >= version or not r.policy_versions
+        ]
         dropped = len(self.rollouts) - len(kept)
         self.rollouts, self.advantages = [r for r, _ in kept], [a for _, a in kept]
         self.dropped += dropped
