@@ -18,7 +18,6 @@ import shutil
 from pathlib import Path
 
 from asyncrl.errors import AsyncRLError
-from asyncrl.metrics import read_jsonl
 
 MANIFEST = "MANIFEST.json"
 RL_PARTS = ("trainer", "orchestrator")
@@ -160,7 +159,19 @@ def rewind(output_dir: Path, step: int) -> None:
     for name in ("metrics.jsonl", "samples.jsonl"):
         path = output_dir / name
         if path.exists():
-            kept = [record for record in read_jsonl(path) if record.get("step", 0) <= step]
+            kept = [record for record in _whole_lines(path) if record.get("step", 0) <= step]
             tmp = path.with_name(f".{name}.tmp")
             tmp.write_text("".join(json.dumps(record) + "\n" for record in kept))
             os.replace(tmp, path)
+
+
+def _whole_lines(path: Path) -> list[dict]:
+    """The records of a JSONL file, less a last line cut off mid-write (its writer was killed, or the disk
+    was full)."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records

@@ -127,6 +127,14 @@ def test_rewind_deletes_what_came_after_the_step(tmp_path):
     assert kept == lines[:4]
 
 
+def test_rewind_drops_a_line_cut_off_mid_write(tmp_path):
+    """A writer killed (or stopped by a full disk) in the middle of its line leaves it cut short."""
+    whole = json.dumps({"step": 1, "source": "trainer", "loss": 0.5}) + "\n"
+    (tmp_path / "metrics.jsonl").write_text(whole + '{"step": 2, "source": "trai')
+    checkpoints.rewind(tmp_path, 2)
+    assert (tmp_path / "metrics.jsonl").read_text() == whole
+
+
 def sampler() -> EnvironmentSampler:
     return EnvironmentSampler({"reverse_text": ReverseText()}, {"reverse_text": 1.0}, seed=5)
 
