@@ -29,7 +29,9 @@ from asyncrl.environments.base import Messages
 from asyncrl.errors import AsyncRLError
 from asyncrl.loading import load_tokenizer
 from asyncrl.metrics import MetricsLogger
+from asyncrl.preflight import check_output_dir
 from asyncrl.progress import ProgressBar, Throughput, timed
+from asyncrl.run_lock import RunLock
 from asyncrl.trackers import Trackers
 from asyncrl.trainer import checkpoint
 from asyncrl.trainer.checkpoint import TrainerProgress
@@ -173,8 +175,11 @@ def save_model(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, folde
 
 def train_sft(cfg: SFTConfig) -> int:
     world = init_distributed(cfg.device, cfg.num_threads, cfg.seed)
-    trackers, bar = None, None
+    trackers, bar, lock = None, None, None
     try:
+        if world.is_main:  # one run at a time in output_dir (run_lock.py)
+            check_output_dir(Path(cfg.output_dir))
+            lock = RunLock.acquire(cfg.output_dir, "asyncrl sft")
         tokenizer = load_tokenizer(cfg.model.name)
         with timed(f"sft: loading {cfg.model.name}", shown=world.is_main):
             model = setup_model(cfg.model, world.device, cfg.perf)
@@ -293,4 +298,6 @@ def train_sft(cfg: SFTConfig) -> int:
             bar.close()
         if trackers is not None:
             trackers.close()
+        if lock is not None:
+            lock.release()
         close_distributed()
