@@ -431,6 +431,7 @@ def run_rl(cfg: RLConfig, dry_run: bool = False, clean: bool = False) -> int:
     names = replica_names(len(replicas))
     configs = {**dict(zip(names, replicas)), "orchestrator": orchestrator, "trainer": trainer}
     if dry_run:
+        preflight.check_output_dir(output_dir)
         for name, config in configs.items():
             console.print(f"# {name}", style="bold")
             console.print(to_toml(config), markup=False)
@@ -456,9 +457,11 @@ def _launch(cfg: RLConfig, configs: dict, orchestrator: OrchestratorConfig, trai
         trainer.resume = orchestrator.resume = ResumeConfig(step=step)
     else:
         prepare_output_dir(output_dir, clean)
-    # A scheduler's SIGTERM must stop the children too: they run in sessions of their own.
+    # A scheduler's SIGTERM must stop the children too: they run in sessions of their own. (A signal ignored,
+    # as nohup ignores SIGHUP, stays ignored.)
     for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _stop_on_signal)
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, _stop_on_signal)
     paths = {}
     for name, config in configs.items():
         paths[name] = output_dir / "configs" / f"{name}.toml"
