@@ -30,6 +30,11 @@ def cluster(*flags: str) -> RLConfig:
     return load(RLConfig, [*TWO_BY_TWO, *flags])[0]
 
 
+def test_port_0_the_default_of_asyncrl_rl_for_any_free_port_is_8000_on_a_cluster():
+    servers = [c for name, c in process_configs(cluster()).items() if name.startswith("inference")]
+    assert [s.port for s in servers] == [8000, 8001, 8000, 8001]
+
+
 def test_server_i_of_a_node_listens_on_port_plus_i_on_every_interface():
     configs = process_configs(cluster("--inference.port", "9000"))
     servers = [configs[f"inference_{i}"] for i in range(4)]
@@ -55,7 +60,6 @@ def test_on_gpus_every_process_sees_cuda_and_the_broadcast_group_holds_every_ser
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--inference.port", "0"], "inference.port is 0"),
         (["--weight-transfer.mode", "broadcast"], "set weight_transfer.port"),
         (["--orchestrator.inference-urls", '["http://a:8000"]'], "holds 1 URL"),
     ],

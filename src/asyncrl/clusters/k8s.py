@@ -24,7 +24,7 @@ from typing import Any
 import tomli_w
 import yaml
 
-from asyncrl.clusters.layout import process_configs, replica_count, replica_port, run_name
+from asyncrl.clusters.layout import inference_port, process_configs, replica_count, replica_port, run_name
 from asyncrl.clusters.run_folder import TOKEN_ENV
 from asyncrl.config import RLConfig, to_toml
 from asyncrl.config.loader import build, deep_merge, share_rl_keys
@@ -182,7 +182,7 @@ class Manifests:
         return {"apiVersion": "v1", "kind": "Service", "metadata": self.metadata(component, component), "spec": spec}
 
     def _inference_ports(self) -> list[dict[str, Any]]:
-        port = self.cfg.inference.port
+        port = inference_port(self.cfg)
         return [{"name": f"http-{i}", "port": port + i} for i in range(self.cfg.cluster.replicas_per_node)]
 
     def _trainer_ports(self) -> list[dict[str, Any]]:
@@ -199,7 +199,7 @@ class Manifests:
             # The pod's ordinal ends its hostname (<name>-inference-<n>); server n x per_node + local is this one.
             config = "inference" if single else f"inference_$(( ${{HOSTNAME##*-}} * {per_node} + {local} ))"
             command = ["sh", "-c", f'exec asyncrl inference @ "{CONFIG_PATH}/{config}.toml"']
-            port = self.cfg.inference.port + local
+            port = inference_port(self.cfg) + local
             containers.append(
                 self.container(
                     f"inference-{local}",

@@ -2,7 +2,8 @@
 
 A cluster run has `cluster.trainer_nodes` trainer nodes, each one torchrun agent with
 `cluster.trainer_ranks_per_node` ranks, and `cluster.inference_nodes` inference nodes, each running
-`cluster.replicas_per_node` servers: server i of a node listens on `inference.port + i` on every interface,
+`cluster.replicas_per_node` servers: server i of a node listens on `inference.port + i` on every interface
+(port 0, `asyncrl rl`'s default for any free port, means 8000 here, where ports are fixed in advance),
 on a GPU of its own. The orchestrator runs on the first trainer node, and so does trainer rank 0, which
 hosts torchrun's rendezvous and, with broadcast weight transfer, the broadcast group.
 
@@ -23,6 +24,7 @@ from asyncrl.errors import AsyncRLError
 from asyncrl.launcher import replica_names
 
 BIND_ALL = "0.0.0.0"  # servers are reached by their node's address, whichever interface that is on
+CLUSTER_PORT = 8000  # the first inference port of a node when inference.port is 0
 
 
 def run_name(cfg: RLConfig) -> str:
@@ -39,20 +41,21 @@ def replica_count(cfg: RLConfig) -> int:
     return cfg.cluster.inference_nodes * cfg.cluster.replicas_per_node
 
 
+def inference_port(cfg: RLConfig) -> int:
+    """The port of server 0 of each inference node: inference.port, or CLUSTER_PORT for 0 (on one machine any
+    free port), since on a cluster every server's port must be known in advance."""
+    return cfg.inference.port or CLUSTER_PORT
+
+
 def replica_port(cfg: RLConfig, index: int) -> int:
     """The port of inference server `index` (0-based over the run): port + its place on its node."""
-    return cfg.inference.port + index % cfg.cluster.replicas_per_node
+    return inference_port(cfg) + index % cfg.cluster.replicas_per_node
 
 
 def check_layout(cfg: RLConfig) -> None:
     """What a cluster run needs that a one-node run does not: ports fixed in advance."""
-    if cfg.inference.port == 0:
-        raise AsyncRLError(
-            "inference.port is 0, and on a cluster every server's port must be known in advance "
-            "(set inference.port; server i of a node listens on port + i)"
-        )
-    if cfg.inference.port + cfg.cluster.replicas_per_node - 1 > 65535:
-        raise AsyncRLError(f"inference.port {cfg.inference.port} leaves no room for cluster.replicas_per_node ports")
+    if inference_port(cfg) + cfg.cluster.replicas_per_node - 1 > 65535:
+        raise AsyncRLError(f"inference.port {inference_port(cfg)} leaves no room for cluster.replicas_per_node ports")
     if cfg.weight_transfer.mode == "broadcast" and cfg.weight_transfer.port == 0:
         raise AsyncRLError(
             "weight_transfer.port is 0, and on a cluster the inference servers must know trainer rank 0's port "

@@ -19,7 +19,7 @@ from typing import Any
 import jinja2
 import tomli_w
 
-from asyncrl.clusters.layout import check_layout, replica_count, run_name
+from asyncrl.clusters.layout import check_layout, inference_port, replica_count, run_name
 from asyncrl.clusters.run_folder import TOKEN_ENV
 from asyncrl.config import RLConfig
 from asyncrl.errors import AsyncRLError
@@ -55,7 +55,7 @@ def render(cfg: RLConfig, raw: dict[str, Any], clean: bool = False) -> str:
         gpus_per_node=cluster.gpus_per_node,
         rendezvous_port=cluster.rendezvous_port,
         folder_timeout=int(cluster.folder_timeout),
-        port=cfg.inference.port,
+        port=inference_port(cfg),
         output_dir=Path(cfg.output_dir).absolute(),
         workdir=Path.cwd(),
         python=cluster.slurm.python or sys.executable,
