@@ -21,7 +21,7 @@ from asyncrl.models import init_model
 
 pytestmark = pytest.mark.integration
 
-STEPS = 6
+STEPS = 4
 ARGS = [
     "--max-steps", str(STEPS), "--seq-len", "96", "--ckpt.interval", "1", "--orchestrator.batch-size", "8",
     "--orchestrator.group-size", "4", "--orchestrator.sampling.max-tokens", "8", "--trainer.optim.lr", "1e-2",
