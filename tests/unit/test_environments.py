@@ -109,6 +109,23 @@ def test_wordle_rewards_solving_and_fewer_guesses():
     assert first_guess_win.reward == pytest.approx(1.5)
 
 
+def test_wordle_demonstrations_replay_as_the_environment_plays_them():
+    env = load_environment("wordle", num_words=40)
+    examples = [e for _, e in zip(range(20), env.examples(seed=0))]
+    assert {e.answer for e in examples} <= set(env.words) and len(env.words) == 40
+    for example in examples:
+        guesses = [m["content"] for m in example.demonstration if m["role"] == "assistant"]
+        for i, guess in enumerate(guesses):  # each guess agrees with every mark before it
+            assert all(marks(earlier, guess) == marks(earlier, example.answer) for earlier in guesses[:i])
+        rollout, _ = play(env, example, guesses)
+        assert rollout.messages[1:] == example.demonstration  # the same marks, in the same words
+        assert rollout.metrics["solved"] == (guesses[-1] == example.answer)
+        assert example.sft_messages() == example.prompt + example.demonstration
+    assert sum(e.demonstration[-1]["content"] == e.answer for e in examples) >= 18
+    with pytest.raises(AsyncRLError, match="num_words must be between 2 and"):
+        load_environment("wordle", num_words=1)
+
+
 def test_wordle_unsolved_game_ends_after_max_guesses_with_no_reward():
     rollout, _ = play(load_environment("wordle", max_guesses=3), WORDLE, ["world", "lolly", "llama"])
     assert rollout.turns == 3 and not rollout.is_truncated
@@ -245,6 +262,15 @@ def test_tool_calc_runs_the_tool_call_and_rewards_the_answer():
     assert guessed.turns == 1 and guessed.reward == pytest.approx(1.0)
     failed, _ = play(env, example, ["<tool_call>{oops}</tool_call>", "<answer>1</answer>"])
     assert failed.metrics["tool_errors"] == 1 and failed.reward == 0.0
+
+
+def test_tool_calc_demonstration_is_an_episode_that_earns_the_full_reward():
+    env = load_environment("tool_calc")
+    example = next(env.examples(seed=1))
+    assert [m["role"] for m in example.demonstration] == ["assistant", "tool", "assistant"]
+    answers = [m["content"] for m in example.demonstration if m["role"] == "assistant"]
+    rollout, _ = play(env, example, answers, max_tokens=200)
+    assert rollout.messages[1:] == example.demonstration and rollout.reward == pytest.approx(1.2)
 
 
 def test_every_builtin_environment_loads_by_name():

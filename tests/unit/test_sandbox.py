@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import time
 
@@ -168,3 +169,13 @@ def test_code_environment_rewards_the_fraction_of_hidden_tests_passed(tmp_path):
     answer = "def add(a, b):\n    return a + b if a != 2 else 0\n"
     [rollout] = asyncio.run(from_file.rollout_group(example, ScriptedPolicy([answer], max_tokens=200), 1))
     assert rollout.reward == 0.5 and rollout.metrics == {"passed": 0.5, "runs": 1.0, "killed": 0.0}
+
+
+def test_generated_code_tasks_carry_a_reference_solution_that_passes_every_hidden_test():
+    env = load_environment("code", num_tests=3)
+    examples = [e for _, e in zip(range(12), env.examples(seed=0))]
+    kinds = {re.sub(r"\d|'\w'", "", e.answer) for e in examples}  # the solution with its constants left out
+    assert len(kinds) == 8  # every kind of task is in the sample
+    for example in examples:
+        assert example.answer.startswith("```python\ndef f(x):\n")
+        assert asyncio.run(env.rubric.score(example.answer, example, state={})).reward == 1.0

@@ -37,9 +37,12 @@ class Example:
     prompt: Messages
     answer: str
     info: dict[str, Any] = field(default_factory=dict)
+    # A worked episode after the prompt, for SFT: assistant answers and the environment's messages between them
+    # (a tool call, its result, the final answer). None: the episode is one assistant message, `answer`.
+    demonstration: Messages | None = None
 
     def sft_messages(self) -> Messages:
-        return [*self.prompt, {"role": "assistant", "content": self.answer}]
+        return [*self.prompt, *(self.demonstration or [{"role": "assistant", "content": self.answer}])]
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """code: write a Python function; hidden tests run it in the sandbox; reward = the fraction of tests passed.
 
 Tasks are generated from the seed (small functions of one argument, e.g. "returns x * 3 + 2", "returns the
-number of vowels in s"), each with one example in the prompt and `num_tests` hidden tests on other inputs; or
+number of vowels in s"), each with one example in the prompt, `num_tests` hidden tests on other inputs and a
+reference solution as its answer (for SFT); or
 read from a file or dataset (`path`) with a `prompt` column and a `tests` column of `assert <call> ==
 <literal>` lines (MBPP's form). The answer's code is the last ```python block of the completion, or the whole
 completion when it has none. It runs in `sandbox.py` (limits `cpu_seconds`, `memory_mb`, `wall_seconds`):
@@ -26,33 +27,50 @@ CODE_BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
 WORDS = "apple banana cherry river stone cloud light green music table ocean tiger sugar".split()
 
 
-def _number_task(rng: random.Random) -> tuple[str, Callable, Callable]:
+def _number_task(rng: random.Random) -> tuple[str, Callable, Callable, str]:
+    """A task on a number: its description, the function, an input generator and a reference solution's body."""
     a, b = rng.randint(2, 9), rng.randint(0, 9)
     kind = rng.choice(["affine", "square", "digits", "even"])
     if kind == "affine":
-        return f"returns x * {a} + {b}", lambda x: x * a + b, lambda: rng.randint(-20, 20)
+        return f"returns x * {a} + {b}", lambda x: x * a + b, lambda: rng.randint(-20, 20), f"return x * {a} + {b}"
     if kind == "square":
-        return f"returns x squared minus {b}", lambda x: x * x - b, lambda: rng.randint(-12, 12)
+        return f"returns x squared minus {b}", lambda x: x * x - b, lambda: rng.randint(-12, 12), f"return x * x - {b}"
     if kind == "digits":
         return (
             "returns the sum of the decimal digits of x (x >= 0)",
             lambda x: sum(map(int, str(x))),
             (lambda: rng.randint(0, 99999)),
+            "return sum(int(d) for d in str(x))",
         )
-    return f"returns True when x is divisible by {a}, else False", lambda x: x % a == 0, lambda: rng.randint(0, 60)
+    return (
+        f"returns True when x is divisible by {a}, else False",
+        lambda x: x % a == 0,
+        lambda: rng.randint(0, 60),
+        f"return x % {a} == 0",
+    )
 
 
-def _text_task(rng: random.Random) -> tuple[str, Callable, Callable]:
+def _text_task(rng: random.Random) -> tuple[str, Callable, Callable, str]:
     letter = rng.choice("aeinorst")
     kind = rng.choice(["reverse", "count", "upper", "vowels"])
     word = lambda: rng.choice(WORDS)[: rng.randint(3, 6)]  # noqa: E731 - a tiny input generator
     if kind == "reverse":
-        return "returns the string s reversed", lambda s: s[::-1], word
+        return "returns the string s reversed", lambda s: s[::-1], word, "return x[::-1]"
     if kind == "count":
-        return f"returns how many times the letter '{letter}' occurs in s", lambda s: s.count(letter), word
+        return (
+            f"returns how many times the letter '{letter}' occurs in s",
+            lambda s: s.count(letter),
+            word,
+            f"return x.count('{letter}')",
+        )
     if kind == "upper":
-        return "returns s in upper case", lambda s: s.upper(), word
-    return "returns the number of vowels (a, e, i, o, u) in s", lambda s: sum(c in "aeiou" for c in s), word
+        return "returns s in upper case", lambda s: s.upper(), word, "return x.upper()"
+    return (
+        "returns the number of vowels (a, e, i, o, u) in s",
+        lambda s: sum(c in "aeiou" for c in s),
+        word,
+        "return sum(c in 'aeiou' for c in x)",
+    )
 
 
 def extract_code(completion: str) -> str:
@@ -90,7 +108,7 @@ class Code(Environment):
         self.rubric = Rubric(rewards=[(self.passed, 1.0)], metrics=[runs, killed])
 
     def _generated(self, rng: random.Random) -> Example:
-        description, function, draw = rng.choice([_number_task, _text_task])(rng)
+        description, function, draw, body = rng.choice([_number_task, _text_task])(rng)
         inputs: list = []
         while len(inputs) < self.num_tests + 1:  # distinct inputs: one shown, the rest hidden
             value = draw()
@@ -102,7 +120,8 @@ class Code(Environment):
             "Answer with the code in a ```python block."
         )
         tests = [{"call": f"f({x!r})", "expected": repr(function(x))} for x in hidden]
-        return Example(prompt=[{"role": "user", "content": prompt}], answer="", info={"tests": tests})
+        solution = f"```python\ndef f(x):\n    {body}\n```"
+        return Example(prompt=[{"role": "user", "content": prompt}], answer=solution, info={"tests": tests})
 
     def _from_row(self, row: dict) -> Example:
         tests = [Test.from_assert(line) for line in row[self.tests_column]]

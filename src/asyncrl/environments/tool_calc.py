@@ -5,7 +5,8 @@ OpenAI-style JSON schemas); the model calls it by writing
 `<tool_call>{"name": "calculator", "arguments": {"expression": "4821 * 37"}}</tool_call>` in its message,
 the environment runs the call and answers with a `tool` message holding the result (or the error), and
 the episode ends with the first assistant message that calls no tool. Numbers are big enough that
-guessing rarely works. Rewards:
+guessing rarely works. Each example's `demonstration` (for SFT) is the whole episode: the call, its result, the
+answer. Rewards:
 - `correct` (weight 1): the integer in the last `<answer>` tag is the exact value;
 - `called_calculator` (weight `tool_weight`, 0.2): at least one tool call ran without error.
 Metrics: `tool_calls`, `tool_errors`.
@@ -114,10 +115,16 @@ class ToolCalc(Environment):
             expression = f"{a} * {b} + {c}"
             value = a * b + c
             question = f"What is {expression}? Use the calculator, then reply with <answer>the number</answer>."
+            call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
             yield Example(
                 prompt=[{"role": "user", "content": question}],
                 answer=f"<answer>{value}</answer>",
                 info={"value": value, "expression": expression},
+                demonstration=[
+                    {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+                    {"role": "tool", "content": str(value)},
+                    {"role": "assistant", "content": f"<answer>{value}</answer>"},
+                ],
             )
 
     async def respond(self, messages: Messages, state: State, example: Example) -> Messages | None:

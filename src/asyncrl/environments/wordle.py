@@ -4,7 +4,9 @@ A multi-turn game. The environment scores every guess with one mark per letter �
 right place, `Y` in the word elsewhere, `.` not in the word (as Wordle does for repeated letters: each
 secret letter is matched once, places first) — and sends the marks back as the next user message. The
 game ends when the word is found or after `max_guesses` guesses; a reply that is not a five-letter word
-is told so and uses up a guess. Secrets are drawn from a word list shipped here, seeded. Rewards:
+is told so and uses up a guess. Secrets are drawn from a word list shipped here (or its first `num_words`
+words: fewer words, an easier game), seeded. Each example's `demonstration` (for SFT) is a game played by
+guessing words of the list that agree with all the marks so far. Rewards:
 - `solved` (weight 1): the secret was guessed;
 - `speed` (weight `speed_weight`, 0.5): if solved, (max_guesses − guesses) / (max_guesses − 1), so 1 for a
   first-guess win and 0 for a win on the last guess.
@@ -66,25 +68,43 @@ def marks(guess: str, secret: str) -> str:
 class Wordle(Environment):
     name = "wordle"
 
-    def __init__(self, max_guesses: int = 6, speed_weight: float = 0.5, **limits):
+    def __init__(self, max_guesses: int = 6, speed_weight: float = 0.5, num_words: int | None = None, **limits):
         super().__init__(**{"max_turns": max_guesses, **limits})
         if max_guesses < 2:
             raise ValueError(f"max_guesses must be at least 2, got {max_guesses}")
+        if num_words is not None and not 2 <= num_words <= len(WORDS):
+            raise ValueError(f"num_words must be between 2 and {len(WORDS)}, got {num_words}")
         self.max_guesses = max_guesses
+        self.words = WORDS[:num_words]
         self.rubric = Rubric(
             rewards=[(solved, 1.0), (speed, speed_weight)], metrics=[guesses, invalid_guesses, best_greens]
         )
 
     def examples(self, seed: int) -> Iterator[Example]:
         rng = random.Random(seed)
+        demonstrations = random.Random(f"demonstrations {seed}")  # a stream of its own: secrets stay as they were
         prompt = PROMPT.format(max_guesses=self.max_guesses)
         while True:
-            secret = rng.choice(WORDS)
+            secret = rng.choice(self.words)
             yield Example(
                 prompt=[{"role": "user", "content": prompt}],
                 answer=secret,
                 info={"secret": secret, "max_guesses": self.max_guesses},
+                demonstration=self.demonstration(secret, demonstrations),
             )
+
+    def demonstration(self, secret: str, rng: random.Random) -> Messages:
+        """A game played by guessing, each time, a word of the list that agrees with every mark so far."""
+        candidates, messages = self.words, []
+        for guessed in range(1, self.max_guesses + 1):
+            guess = rng.choice(candidates)
+            feedback = marks(guess, secret)
+            messages.append({"role": "assistant", "content": guess})
+            if feedback == "GGGGG" or guessed == self.max_guesses:
+                break
+            messages.append({"role": "user", "content": reply(feedback, self.max_guesses - guessed)})
+            candidates = [word for word in candidates if marks(guess, word) == feedback]
+        return messages
 
     async def respond(self, messages: Messages, state: State, example: Example) -> Messages | None:
         guess = messages[-1]["content"].strip().lower()
@@ -100,7 +120,11 @@ class Wordle(Environment):
         left = self.max_guesses - len(state["feedback"])
         if state["solved"] or left == 0:
             return None
-        return [{"role": "user", "content": f"{feedback} ({left} left)"}]
+        return [{"role": "user", "content": reply(feedback, left)}]
+
+
+def reply(feedback: str, left: int) -> str:
+    return f"{feedback} ({left} left)"
 
 
 def solved(completion: str, example: Example, state: State) -> float:
