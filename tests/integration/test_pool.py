@@ -121,7 +121,7 @@ def test_the_bound_holds_with_stragglers_and_weights_changing_mid_episode(tiny_m
     run = tmp_path / "run"
     rl(tiny_model, run, "--max-steps", "12", "--orchestrator.max-async-level", "1", "--orchestrator.max-inflight", "8",
        "--orchestrator.environments.slow.name", "pipeline_envs:Stragglers",
-       "--orchestrator.environments.slow.args", '{every = 4, short = 0.3, long = 8.0}')  # fmt: skip
+       "--orchestrator.environments.slow.args", '{delays = [0.15, 8.0, 0.0, 0.3, 0.0, 0.6, 0.0, 1.2]}')  # fmt: skip
     orchestrator = by_source(run, "orchestrator")
     assert sorted(orchestrator) == list(range(1, 13))
     assert all(o["off_policy/max"] <= 1 for o in orchestrator.values())
