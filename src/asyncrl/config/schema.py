@@ -587,12 +587,8 @@ class SlurmConfig(Config):
     partition: str | None = Field(None, description="#SBATCH --partition; unset: the cluster's default")
     account: str | None = Field(None, description="#SBATCH --account")
     time: str | None = Field(None, description="#SBATCH --time, e.g. '2-00:00:00'; unset: the partition's limit")
-    sbatch: list[str] = Field(
-        [], description="more #SBATCH options, one per entry, e.g. ['--qos=high', '--mem=0']"
-    )
-    setup: list[str] = Field(
-        [], description="shell lines run first on the first node, e.g. ['module load cuda/12.4']"
-    )
+    sbatch: list[str] = Field([], description="more #SBATCH options, one per entry, e.g. ['--qos=high', '--mem=0']")
+    setup: list[str] = Field([], description="shell lines run first on the first node, e.g. ['module load cuda/12.4']")
     python: str | None = Field(
         None, description="the Python with asyncrl installed on every node; default: the one that renders the script"
     )
