@@ -176,7 +176,10 @@ def test_the_sbatch_script_runs_the_job_learns_and_a_requeued_job_resumes(slurm,
 
     batch_log = (tmp_path / f"slurm-{job}.out").read_text()
     assert job_state(slurm, job) == "COMPLETED", batch_log
-    assert re.search(r"resuming .* from checkpoint step (5|10)", batch_log), batch_log
+    # The job is requeued after trainer step 12; the checkpoint it resumes from depends on how far the trainer got
+    # before Slurm stopped it (a slow host saw step 15 written first), but it is one of this run's, short of the end.
+    resumed = re.search(r"resuming .* from checkpoint step (\d+)", batch_log)
+    assert resumed and int(resumed[1]) in range(5, STEPS, 5), batch_log
     trainer, orchestrator = by_source(run_dir, "trainer"), by_source(run_dir, "orchestrator")
     assert sorted(trainer) == sorted(orchestrator) == list(range(1, STEPS + 1))
     rewards = [orchestrator[n]["reward/mean"] for n in range(1, STEPS + 1)]
