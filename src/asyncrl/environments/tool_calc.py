@@ -24,14 +24,17 @@ from collections.abc import Iterator
 from asyncrl.environments.base import Environment, Example, Messages, State
 from asyncrl.environments.rubric import Rubric
 
+# Kept short, with no example numbers: a description holding an example expression ("4821 * 37 + 199") gave
+# the small model a second string of digits to copy from, and its SFT never learned to copy the question's
+# (loss stuck at 0.35 after 750 steps; without the example the copying came at step ~500; examples/tool_calc).
 CALCULATOR = {
     "type": "function",
     "function": {
         "name": "calculator",
-        "description": "Evaluate an arithmetic expression of numbers, + - * / // % ** and parentheses.",
+        "description": "Evaluate an arithmetic expression.",
         "parameters": {
             "type": "object",
-            "properties": {"expression": {"type": "string", "description": "for example '4821 * 37 + 199'"}},
+            "properties": {"expression": {"type": "string"}},
             "required": ["expression"],
         },
     },
