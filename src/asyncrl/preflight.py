@@ -102,7 +102,8 @@ class PromptLengths:
 
 def prompt_lengths(label: str, env: Environment, tokenizer, cfg: OrchestratorConfig) -> PromptLengths:
     """Render the environment's first prompts as the episode does (chat template, its tools, the generation
-    prompt) and count their tokens."""
+    prompt) and count their tokens. Examples without chat messages are left out: their environment builds
+    its own prompt (its own `rollout_group`, token ids in `info`)."""
     examples = itertools.islice(env.examples(cfg.seed), PROMPTS_CHECKED)
     lengths = [
         len(
@@ -111,6 +112,7 @@ def prompt_lengths(label: str, env: Environment, tokenizer, cfg: OrchestratorCon
             )
         )
         for example in examples
+        if example.prompt
     ]
     room = min(cfg.seq_len, env.limits.max_tokens or cfg.seq_len)
     return PromptLengths(label, lengths, room, cfg.sampling.max_tokens)
@@ -125,7 +127,10 @@ def check_prompt_lengths(environments: dict[str, Environment], tokenizer, cfg: O
             "prompt and answer can be that long; answers are cut at seq_len"
         )
     for label, env in environments.items():
-        error, found = prompt_lengths(label, env, tokenizer, cfg).problems(cfg.seq_len)
+        lengths = prompt_lengths(label, env, tokenizer, cfg)
+        if not lengths.lengths:  # no chat prompt to measure
+            continue
+        error, found = lengths.problems(cfg.seq_len)
         if error:
             raise AsyncRLError(error)
         warnings += found

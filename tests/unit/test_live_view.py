@@ -19,9 +19,19 @@ def test_the_line_names_the_trained_steps_batch_and_the_newest_batch_apart(tmp_p
         metrics,
         {"step": 1, "source": "orchestrator", "reward/mean": 0.532, "perf/generate_tokens_per_s": 900.0},
         {"step": 2, "source": "orchestrator", "eval/rt/avg@4": 0.1},  # an eval line: not a batch
-        {"step": 2, "source": "orchestrator", "reward/mean": 0.558, "perf/generate_tokens_per_s": 950.0,
-         "pool/servers_up": 1, "server/0/up": 1, "server/1/up": 0, "queue/rollouts": 12, "groups/in_flight": 3,
-         "off_policy/dropped": 4, "groups/cancelled": 1},  # fmt: skip
+        {
+            "step": 2,
+            "source": "orchestrator",
+            "reward/mean": 0.558,
+            "perf/generate_tokens_per_s": 950.0,
+            "pool/servers_up": 1,
+            "server/0/up": 1,
+            "server/1/up": 0,
+            "queue/rollouts": 12,
+            "groups/in_flight": 3,
+            "off_policy/dropped": 4,
+            "groups/cancelled": 1,
+        },
         {"step": 1, "source": "trainer", "loss": 0.01, "mismatch_kl": 1e-3, "perf/tokens_per_s": 5000.0},
     )
     progress = Progress(metrics, max_steps=200)

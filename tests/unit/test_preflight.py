@@ -10,7 +10,7 @@ import torch
 
 from asyncrl import preflight
 from asyncrl.config import InferenceConfig, OrchestratorConfig, TrainerConfig
-from asyncrl.environments import load_environment
+from asyncrl.environments import Example, load_environment
 from asyncrl.errors import AsyncRLError
 from asyncrl.loading import check_model, load_tokenizer
 from asyncrl.models import init_model
@@ -125,6 +125,18 @@ def test_max_tokens_longer_than_seq_len_is_a_warning(tiny_model):
 
 def test_prompts_that_fit_give_no_warning(tiny_model):
     assert lengths(tiny_model, seq_len=128, sampling={"max_tokens": 64}) == []
+
+
+def test_an_environment_that_builds_its_own_prompts_is_not_measured(tiny_model):
+    """Its examples carry no chat messages (the pipeline benchmark's long-tail workload sends token ids)."""
+
+    class TokenPrompts(load_environment("reverse_text").__class__):
+        def examples(self, seed):
+            while True:
+                yield Example([], "", {"prompt_ids": [1, 2, 3]})
+
+    cfg = OrchestratorConfig(seq_len=16, sampling={"max_tokens": 8})
+    assert preflight.check_prompt_lengths({"tokens": TokenPrompts()}, load_tokenizer(str(tiny_model)), cfg) == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
