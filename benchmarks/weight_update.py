@@ -9,8 +9,11 @@ This process plays trainer rank 0 with the real trainer code: the model is loade
 rank) and published by `asyncrl.trainer.rl.publish_weights`. The inference server is a real `asyncrl
 inference` process. For each transfer mode and repeat:
 
-    publish  = publish_weights(...)             filesystem: gather + write weights/step_N + STABLE
+    publish  = publish_weights(...)             filesystem: gather + cast to the serving dtype + write
+               + publisher.wait()                           weights/step_N + STABLE
                                                 broadcast:  gather + cast to the serving dtype + send + STABLE
+    trainer  = publish_weights(...) alone       what the trainer waits for: the folder is written in a
+                                                background thread while it goes on with its next step
     update   = POST /admin/update_weights       filesystem: read the folder, copy into the live model
                                                 broadcast:  take the received tensors, copy into the live model
     total    = publish + update
@@ -39,12 +42,12 @@ from shapes import build_model  # benchmarks/, the script's own folder
 
 from asyncrl.config.schema import ModelConfig, PerfConfig, TrainerConfig, WeightTransferConfig
 from asyncrl.errors import AsyncRLError
-from asyncrl.loading import load_tokenizer
+from asyncrl.loading import DTYPES, load_tokenizer
 from asyncrl.trainer.distributed import close_distributed, init_distributed
 from asyncrl.trainer.model import parallelize, setup_model
 from asyncrl.trainer.rl import publish_weights
 from asyncrl.transport import weights
-from asyncrl.transport.broadcast import WeightSender
+from asyncrl.transport.transfer import make_publisher
 
 
 def free_port() -> int:
@@ -131,14 +134,12 @@ def main() -> None:
         rows = []
         for mode in ("filesystem", "broadcast"):
             cfg = config(mode)
-            sender = None
-            if mode == "broadcast":
-                try:
-                    sender = WeightSender(cfg.weight_transfer, world.device)
-                except AsyncRLError as error:
-                    rows.append((mode, None, None, None, str(error)))
-                    continue
-            publish_s, update_s = [], []
+            try:  # broadcast: opens the group, which the server joins
+                publisher = make_publisher(cfg.weight_transfer, cfg.output_dir, world.device, DTYPES[args.dtype], True)
+            except AsyncRLError as error:
+                rows.append((mode, None, None, None, None, str(error)))
+                continue
+            trainer_s, publish_s, update_s = [], [], []
             for repeat in range(args.repeats + 1):
                 version += 1
                 with torch.no_grad():  # a new policy each time, as after an optimizer step
@@ -146,18 +147,21 @@ def main() -> None:
                         parameter.add_(1e-3)
                 synchronize(world.device)
                 start = time.perf_counter()
-                publish_weights(model, tokenizer, cfg, version, world, sender)
+                publish_weights(model, tokenizer, cfg, version, world, publisher)
                 synchronize(world.device)
+                handed_over = time.perf_counter()
+                publisher.wait()
                 published = time.perf_counter()
                 update(
                     http, token, version, None if mode == "broadcast" else weights.weights_dir(cfg.output_dir, version)
                 )
                 served = time.perf_counter()
                 if repeat > 0:
+                    trainer_s.append(handed_over - start)
                     publish_s.append(published - start)
                     update_s.append(served - published)
-            publish, load = statistics.median(publish_s), statistics.median(update_s)
-            rows.append((mode, publish, load, publish + load, ""))
+            trainer, publish, load = (statistics.median(s) for s in (trainer_s, publish_s, update_s))
+            rows.append((mode, trainer, publish, load, publish + load, ""))
     finally:
         close_distributed()
         server.terminate()
@@ -167,12 +171,12 @@ def main() -> None:
         f"\nweight update latency: {args.preset} ({parameters / 1e6:.1f}M parameters, served in {args.dtype}), "
         f"trainer on {args.trainer_device}, inference on {args.inference_device}; median of {args.repeats}"
     )
-    print(f"{'mode':<12}{'publish s':>12}{'update s':>12}{'total s':>12}")
-    for mode, publish, load, total, note in rows:
+    print(f"{'mode':<12}{'trainer s':>12}{'publish s':>12}{'update s':>12}{'total s':>12}")
+    for mode, trainer, publish, load, total, note in rows:
         if total is None:
-            print(f"{mode:<12}{'n/a':>12}{'n/a':>12}{'n/a':>12}  {note}")
+            print(f"{mode:<12}{'n/a':>12}{'n/a':>12}{'n/a':>12}{'n/a':>12}  {note}")
         else:
-            print(f"{mode:<12}{publish:>12.3f}{load:>12.3f}{total:>12.3f}")
+            print(f"{mode:<12}{trainer:>12.3f}{publish:>12.3f}{load:>12.3f}{total:>12.3f}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Short `asyncrl rl` runs on a tiny model for the weight-transfer and LoRA tests: a few lockstep steps on
-one core per process, and ways to read what they left."""
+one core per process (on the CPU, also on GPU hosts), and ways to read what they left."""
 
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ def run_rl(model: Path, output_dir: Path, *extra: str, timeout: float = 300) -> 
         "--max-steps", "3", "--seq-len", "128", "--orchestrator.batch-size", "8", "--orchestrator.group-size", "4",
         "--orchestrator.max-async-level", "0", "--orchestrator.sampling.max-tokens", "8",
         "--trainer.optim.lr", "0.05", "--weight-transfer.timeout", "120",
-        "--deployment.inference-threads", "1", "--deployment.trainer-threads", "1", *extra,
+        "--deployment.inference-threads", "1", "--deployment.trainer-threads", "1",
+        # On the CPU on every host: on one GPU the trainer and a server would share it, which a broadcast refuses.
+        "--deployment.inference-device", "cpu", "--deployment.trainer-device", "cpu", *extra,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(

@@ -515,7 +515,7 @@ class Engine:
         else:
             origin = f"'{source}'"
             try:
-                state = load_state_dict(Path(source))
+                state = load_state_dict(Path(source), self._staging_device(Path(source)))
             except FileNotFoundError as error:
                 raise WeightsError(f"{error} (give the path of a published weights/step_N folder)") from None
             except Exception as error:
@@ -537,18 +537,31 @@ class Engine:
             raise WeightsError(
                 f"weights in {origin} do not fit the served model {self.cfg.model.name} ({'; '.join(problems)})"
             )
-        check_weight_values(state.items(), origin)
+        check_weight_values(state.items(), origin, self.device)
         self.model.load_state_dict(state, strict=False)
         self.runner.weights_loaded()
 
+    def _staging_device(self, folder: Path) -> torch.device:
+        """Where a weights folder is read to: the GPU when it has room for a second copy of the weights (the
+        copy into the model is then device to device), else host memory, as on CPU."""
+        if self.device.type != "cuda":
+            return self.device
+        model_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        file_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+        free_bytes = torch.cuda.mem_get_info(self.device)[0]
+        return self.device if max(model_bytes, file_bytes) < 0.9 * free_bytes else torch.device("cpu")
 
-def check_weight_values(tensors: Iterable[tuple[str, torch.Tensor]], origin: str) -> None:
+
+def check_weight_values(
+    tensors: Iterable[tuple[str, torch.Tensor]], origin: str, device: torch.device | None = None
+) -> None:
     """New weights must be finite floating-point numbers: integers would be cast silently, and one NaN or inf
-    makes every sample NaN. Raises WeightsError naming the first bad tensor."""
+    makes every sample NaN. Raises WeightsError naming the first bad tensor. With `device`, each tensor is
+    checked there, one at a time (on one CPU thread, checking 0.6B bf16 values took ~3 s; on a GPU, ms)."""
     for name, tensor in tensors:
         if not tensor.is_floating_point():
             raise WeightsError(f"weights in {origin}: {name} holds {tensor.dtype} values, not floating-point numbers")
-        if not torch.isfinite(tensor).all():
+        if not torch.isfinite(tensor if device is None else tensor.to(device)).all():
             raise WeightsError(f"weights in {origin}: {name} holds NaN or infinite values (the old weights stay)")
 
 

@@ -155,6 +155,18 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
     return lr
 
 
+def apart_from(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state_dict` with each tensor that shares memory with `model` copied. On one CPU rank torch's full state
+    dict holds the parameters themselves, which the next optimizer step changes in place."""
+
+    def storage(tensor: torch.Tensor) -> int:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return local.untyped_storage().data_ptr()
+
+    model_storage = {storage(tensor) for tensor in [*model.parameters(), *model.buffers()]}
+    return {k: v.clone() if storage(v) in model_storage else v for k, v in state_dict.items()}
+
+
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Gather the full state dict on CPU on rank 0 (other ranks get an empty dict). A collective: every
     rank must call it."""

@@ -31,6 +31,7 @@ from asyncrl.trainer.logprobs import compute_logprobs
 from asyncrl.trainer.lora import adapter_config, adapter_state_dict, is_lora
 from asyncrl.trainer.loss import LossInputs, rl_loss
 from asyncrl.trainer.model import (
+    apart_from,
     clip_grad_norm,
     full_state_dict,
     make_optimizer,
@@ -97,20 +98,23 @@ def publish_weights(
 ) -> None:
     """Publish policy version `step`: the whole model, or with LoRA only the adapter, by the run's weight
     transfer (transport/transfer.py). A collective: every rank takes part in gathering the tensors; rank 0
-    sends or writes them."""
+    sends them, or hands them to the publisher's background write and returns."""
+    publisher.wait()  # the last version is on disk before this one is gathered: host memory holds one copy
     lora = is_lora(model)
+    on_device = not lora and publisher.gather_on_device and world.device.type == "cuda"
     if lora:
         state_dict = adapter_state_dict(model)
-    elif publisher.gather_on_device and world.device.type == "cuda":
+    elif on_device:
         # Gathered on the GPU, not through host memory: the sender broadcasts from there.
         state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     else:
         state_dict = full_state_dict(model)
     if not world.is_main:
         return
+    if not on_device:  # the folder is written in the background while the next step changes the model
+        state_dict = apart_from(model, state_dict)
     adapter = adapter_config(model) if lora else None
     publisher.publish(step, state_dict, model.config, tokenizer, adapter, last=step == cfg.max_steps)
-    weights.prune(cfg.output_dir, cfg.keep_weights)
 
 
 def train(cfg: TrainerConfig) -> int:
@@ -123,7 +127,7 @@ def train(cfg: TrainerConfig) -> int:
         tokenizer = load_tokenizer(cfg.model.name)  # published weights carry it, so each is a whole model
         # Broadcast: rank 0 opens the group and waits here until every inference server has joined.
         publisher = make_publisher(
-            cfg.weight_transfer, cfg.output_dir, world.device, DTYPES[cfg.model.dtype], world.is_main
+            cfg.weight_transfer, cfg.output_dir, world.device, DTYPES[cfg.model.dtype], world.is_main, cfg.keep_weights
         )
         done = 0  # steps finished before this process started
         if cfg.resume is not None:
@@ -193,6 +197,7 @@ def train(cfg: TrainerConfig) -> int:
                 save_seconds = time.monotonic() - save_start
                 if world.is_main:
                     checkpoints.prune(cfg.output_dir, checkpoints.RL_PARTS, cfg.ckpt.keep_last)
+        publisher.wait()  # the last version on disk
         return 0
     finally:
         close_distributed()

@@ -2,8 +2,9 @@
 `weight_transfer.mode` here and nowhere else.
 
     side           filesystem (default)                       broadcast
-    trainer        write weights/step_N, then STABLE           send to every server, then STABLE alone
-                                                               (the last step also in full)
+    trainer        write weights/step_N, then STABLE, in a     send to every server, then STABLE alone
+                   background thread (in the serving dtype;    (in the serving dtype; the last step also
+                   the last step in full precision)            written in full precision)
     inference      load the folder it is given                 take the newest version received
     orchestrator   name the folder in /admin/update_weights    name no folder: "take it from the broadcast"
 
@@ -13,6 +14,7 @@ transport/broadcast.py's. docs/weights.md is the user's guide.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -25,14 +27,30 @@ from asyncrl.transport import weights
 from asyncrl.transport.broadcast import WeightReceiver, WeightSender
 
 
+def to_serving_dtype(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Floating tensors cast to the dtype inference computes in: with bf16 serving, half the bytes of the
+    fp32 master weights to write or send, and the same values the server would round them to."""
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+
+
 class FolderPublisher:
-    """Trainer side, filesystem: every version is a complete folder (or a LoRA adapter's)."""
+    """Trainer side, filesystem: every version is a complete folder (or a LoRA adapter's). Versions are
+    written in the serving dtype, except the last, which is the run's final model: in full precision.
+
+    The folder is written in a background thread: the trainer hands over the gathered tensors (which must not
+    be the model's own) and goes on with its next step while they reach the disk, STABLE last. One version is
+    written at a time: `publish` first waits for the one before, and `wait` for the last, re-raising what
+    failed in writing it."""
 
     gather_on_device = False  # the state dict goes to disk: gather it into host memory
     resend_on_resume = False  # a resumed run's new servers read the checkpoint's version from its folder
 
-    def __init__(self, output_dir: Path):
+    def __init__(self, output_dir: Path, dtype: torch.dtype = torch.float32, keep: int | None = None):
         self.output_dir = Path(output_dir)
+        self.dtype = dtype
+        self.keep = keep  # newest versions kept on disk (None: all)
+        self._writer: threading.Thread | None = None
+        self._failure: BaseException | None = None
 
     def publish(
         self,
@@ -43,10 +61,42 @@ class FolderPublisher:
         adapter_config: dict | None,
         last: bool,
     ) -> None:
-        if adapter_config is not None:
-            weights.publish_adapter(self.output_dir, version, state_dict, adapter_config)
-        else:
-            weights.publish(self.output_dir, version, state_dict, model_config, tokenizer)
+        self.wait()
+        args = (version, dict(state_dict), model_config, tokenizer, adapter_config, last)
+        self._writer = threading.Thread(target=self._write, args=args, name=f"publish-step-{version}")
+        self._writer.start()
+
+    def _write(
+        self,
+        version: int,
+        state_dict: dict[str, torch.Tensor],
+        model_config: Any,
+        tokenizer: Any,
+        adapter_config: dict | None,
+        last: bool,
+    ) -> None:
+        try:
+            if adapter_config is not None:
+                weights.publish_adapter(self.output_dir, version, state_dict, adapter_config)
+            else:
+                written = state_dict if last else to_serving_dtype(state_dict, self.dtype)
+                weights.publish(self.output_dir, version, written, model_config, tokenizer)
+            self._prune()
+        except BaseException as error:  # noqa: BLE001 - re-raised in the trainer's thread by wait()
+            self._failure = error
+
+    def _prune(self) -> None:
+        if self.keep is not None:
+            weights.prune(self.output_dir, self.keep)
+
+    def wait(self) -> None:
+        """Return once the last version handed over is on disk; raise what failed in writing it."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
 
 
 class BroadcastPublisher(FolderPublisher):
@@ -57,10 +107,11 @@ class BroadcastPublisher(FolderPublisher):
     gather_on_device = True  # the sender broadcasts from the GPU when it trains on one
     resend_on_resume = True  # a resumed run's new servers hold the base model, and only a broadcast reaches them
 
-    def __init__(self, output_dir: Path, cfg: WeightTransferConfig, device: torch.device, dtype: torch.dtype):
-        super().__init__(output_dir)
+    def __init__(
+        self, output_dir: Path, cfg: WeightTransferConfig, device: torch.device, dtype: torch.dtype, keep: int | None
+    ):
+        super().__init__(output_dir, dtype, keep)
         self.sender = WeightSender(cfg, device)
-        self.dtype = dtype
 
     def publish(
         self,
@@ -75,26 +126,32 @@ class BroadcastPublisher(FolderPublisher):
         if adapter_config is None:
             if getattr(model_config, "tie_word_embeddings", False):
                 sent.pop("lm_head.weight", None)  # the receiver's model re-ties it
-            sent = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in sent.items()}
+            sent = to_serving_dtype(sent, self.dtype)
         self.sender.send(sent, version, adapter_config)
         if last:
             super().publish(version, state_dict, model_config, tokenizer, adapter_config, last)
         else:
             weights.publish_marker(self.output_dir, version)
+            self._prune()
 
 
 def make_publisher(
-    cfg: WeightTransferConfig, output_dir: Path, device: torch.device, dtype: torch.dtype, is_main: bool
+    cfg: WeightTransferConfig,
+    output_dir: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    is_main: bool,
+    keep: int | None = None,
 ) -> FolderPublisher:
     """The trainer's publisher. Every rank gets one (they gather together); only rank 0's sends or writes,
-    and only rank 0 joins the broadcast group."""
+    and only rank 0 joins the broadcast group. `keep`: the newest versions kept on disk (None: all)."""
     if cfg.mode == "broadcast":
         if not is_main:
-            publisher = FolderPublisher(output_dir)
+            publisher = FolderPublisher(output_dir, dtype)
             publisher.gather_on_device = publisher.resend_on_resume = True  # as rank 0's: gathering is collective
             return publisher
-        return BroadcastPublisher(output_dir, cfg, device, dtype)
-    return FolderPublisher(output_dir)
+        return BroadcastPublisher(output_dir, cfg, device, dtype, keep)
+    return FolderPublisher(output_dir, dtype, keep)
 
 
 class FolderSource:

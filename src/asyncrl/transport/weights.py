@@ -99,20 +99,23 @@ def latest_version(output_dir: Path) -> int:
     return max(versions)
 
 
-def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """The full state dict of a published version: its weights, or its adapter merged into the base model."""
+def load_state_dict(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The full state dict of a published version, on `device`: its weights, or its adapter merged into the
+    base model."""
     path = Path(path)
     if not (path / MARKER).exists():
         raise FileNotFoundError(f"weights folder '{path}' has no {MARKER} marker: it is missing or half-written")
     if (path / ADAPTER_CONFIG).exists():
         config = json.loads((path / ADAPTER_CONFIG).read_text())
-        return merge_adapter(base_state_dict(config["base_model_name_or_path"]), load_file(path / ADAPTER_FILE), config)
+        base = base_state_dict(config["base_model_name_or_path"])
+        merged = merge_adapter(base, load_file(path / ADAPTER_FILE), config)
+        return {name: tensor.to(device) for name, tensor in merged.items()}
     if not (path / WEIGHTS_FILE).exists():
         raise FileNotFoundError(
             f"weights folder '{path}' holds only its {MARKER} marker: that version was sent by broadcast "
             "(weight_transfer.mode = 'broadcast'); update without a path to take it from the broadcast"
         )
-    return load_file(path / WEIGHTS_FILE)
+    return load_file(path / WEIGHTS_FILE, device=str(device))
 
 
 @functools.lru_cache(maxsize=1)
