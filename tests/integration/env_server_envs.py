@@ -69,3 +69,22 @@ class Fragile(Environment):
             raise KeyError("board")
         state["turns_seen"] = turn
         return None
+
+
+class Numbered(Environment):
+    """Examples numbered from 0 (`total` of them, or endless), each taking `seconds` to make, as a slow
+    dataset's would."""
+
+    name = "numbered"
+
+    def __init__(self, seconds: float = 0.0, total: int | None = None, **limits):
+        super().__init__(**limits)
+        self.seconds, self.total = seconds, total
+        self.rubric = Rubric([(lambda completion: 1.0, 1.0)])
+
+    def examples(self, seed: int):
+        index = 0
+        while self.total is None or index < self.total:
+            time.sleep(self.seconds)
+            yield prompt(f"example {index}", index=index)
+            index += 1

@@ -116,6 +116,23 @@ def test_a_crashing_or_hanging_worker_errors_its_rollout_and_is_restarted(infere
     assert (served["restarts"], served["failed_calls"]) == (3, 3)
 
 
+def test_the_next_batch_of_examples_is_fetched_before_it_is_drawn(env_server):
+    # 64 examples a request (remote.EXAMPLES_PER_REQUEST) at 0.02 s each: a batch takes the server >= 1.28 s.
+    slow = environment("numbered", "env_server_envs:Numbered", env_server, workers=1, args={"seconds": 0.02})
+    stream = slow.examples(0)
+    first = [next(stream).info["index"] for _ in range(64)]
+    time.sleep(3.0)  # the run plays its groups, and meanwhile the next batch arrives
+    start = time.monotonic()
+    assert next(stream).info["index"] == 64 and first == list(range(64))
+    assert time.monotonic() - start < 0.5  # drawn from memory, not fetched now
+
+
+def test_a_finite_stream_of_examples_comes_whole_across_batches(env_server):
+    finite = environment("numbered", "env_server_envs:Numbered", env_server, workers=1, args={"total": 130})
+    assert [example.info["index"] for example in finite.examples(0)] == list(range(130))
+    assert [example.info["index"] for _, example in zip(range(3), finite.examples(0))] == [0, 1, 2]
+
+
 LOCAL_SCRIPT = """
 import asyncio, sys
 from asyncrl.config.schema import RLEnvironmentConfig

@@ -14,9 +14,11 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import httpx
@@ -78,6 +80,20 @@ def _stop(process: subprocess.Popen) -> None:
             process.kill()
 
 
+def in_background(call: Callable[..., Any], *args: Any) -> Future:
+    """`call(*args)` in a daemon thread (one a stream drops, or a hung server, never holds up the exit)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(call(*args))
+        except BaseException as error:  # noqa: BLE001 - the caller's result() raises it
+            future.set_exception(error)
+
+    threading.Thread(target=run, name="env-server-examples", daemon=True).start()
+    return future
+
+
 class EnvServerClient:
     """One env-server as one registered environment sees it."""
 
@@ -136,14 +152,26 @@ class RemoteEnvironment(Environment):
         self.limits = RolloutLimits(**described[0]["limits"])
 
     def _stream(self, seed: int | None) -> Iterator[Example]:
-        start = 0
-        while True:
+        """The examples, fetched a batch at a time from the first server. The next batch is asked for as soon as
+        the last one arrives, in a thread: the orchestrator draws examples inside its event loop, which then waits
+        on the network only when it draws faster than the server makes examples."""
+
+        def fetch(start: int) -> list[dict[str, Any]]:
             body = {"id": self.ids[0], "seed": seed, "start": start, "count": EXAMPLES_PER_REQUEST}
-            batch = self.servers[0].post("/examples", body)["examples"]
-            yield from (example_from_json(e) for e in batch)
-            if len(batch) < EXAMPLES_PER_REQUEST:
-                return
-            start += len(batch)
+            return self.servers[0].post("/examples", body)["examples"]
+
+        def stream(pending: Future) -> Iterator[Example]:
+            start = 0
+            while True:
+                batch = pending.result()
+                start += len(batch)
+                if len(batch) == EXAMPLES_PER_REQUEST:
+                    pending = in_background(fetch, start)
+                yield from (example_from_json(e) for e in batch)
+                if len(batch) < EXAMPLES_PER_REQUEST:
+                    return
+
+        return stream(in_background(fetch, 0))  # the first batch is on its way before the first draw
 
     def examples(self, seed: int) -> Iterator[Example]:
         return self._stream(seed)
