@@ -125,9 +125,9 @@ def wait_for(condition, timeout: float = 30.0, what: str = ""):
 
 @pytest.mark.browser
 def test_dashboard_in_chromium_charts_live_metrics_compares_runs_and_colours_tokens(dashboard, runs, tmp_path):
+    browser = chromium_driver()  # skips where selenium, chromium or its driver is missing
     from selenium.webdriver.common.by import By
 
-    browser = chromium_driver()
     try:
         browser.get(dashboard)
 
