@@ -127,10 +127,7 @@ def check_prompt_lengths(environments: dict[str, Environment], tokenizer, cfg: O
             "prompt and answer can be that long; answers are cut at seq_len"
         )
     for label, env in environments.items():
-        lengths = prompt_lengths(label, env, tokenizer, cfg)
-        if not lengths.lengths:  # no chat prompt to measure
-            continue
-        error, found = lengths.problems(cfg.seq_len)
+        error, found = prompt_lengths(label, env, tokenizer, cfg).problems(cfg.seq_len)  # none without chat prompts
         if error:
             raise AsyncRLError(error)
         warnings += found
