@@ -446,7 +446,11 @@ def wait_for_metric(http: httpx.Client, name: str, condition, timeout: float = 3
 
 
 def test_a_client_that_disconnects_mid_generation_stops_its_samples(server, http):
-    samples, max_tokens = 16, SEQ_LEN - 3
+    # Many samples make each step slow enough that the client's leaving is seen within a few dozen steps even
+    # on a loaded 2-core machine (16 samples took a fast step each, and CI saw the cancel only ~140 steps in).
+    samples, max_tokens = 128, SEQ_LEN - 3
+    # Tokens are counted server-wide: samples an earlier test left decoding must end before counting starts.
+    wait_for_metric(http, "running_sequences", lambda running: running == 0)
     before = metric(http, "generated_tokens_total")
 
     async def disconnect_mid_way() -> None:
