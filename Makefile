@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # CUDA build: for a small CPU-only install use TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu".
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test test-slurm
+.PHONY: setup demo test test-gpu test-slurm
 
 setup: $(VENV)/.installed
 
@@ -22,6 +22,14 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# On a GPU host: the whole suite with its GPU tests (the Triton kernels compiled, not interpreted; CUDA paths),
+# in a venv that keeps the host's CUDA build of torch.
+test-gpu:
+	$(PYTHON) -c "import sys, torch; sys.exit(None if torch.cuda.is_available() else 'test-gpu: torch sees no CUDA GPU here')"
+	$(PYTHON) -m venv --system-site-packages .venv-gpu
+	.venv-gpu/bin/pip install -q -e ".[dev]"
+	.venv-gpu/bin/python -m pytest -q
 
 # `asyncrl slurm` against a real Slurm (opt-in; needs the distribution's slurm-wlm, see docs/clusters.md)
 test-slurm: setup

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl.config.schema import InferenceConfig
-from asyncrl.inference.engine import Engine, GenerationRequest
+from asyncrl.inference.engine.engine import Engine, GenerationRequest
 from asyncrl.loading import load_tokenizer
 
 model_dir, device, dtype, graphs = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"

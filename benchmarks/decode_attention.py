@@ -5,7 +5,7 @@
 
 Both read the KV cache in place as the engine does: flash attention through the engine's `flash_decode`
 (each row's `group` query heads packed as its KV heads' queries, `seqused_k`), the Triton kernel
-(`asyncrl.inference.decode_attention`) at its default split size and at a few other block and split sizes.
+(`asyncrl.inference.kernels.decode_attention`) at its default split size and at a few other block and split sizes.
 Each is timed as the engine runs it, replayed from a CUDA graph (20 calls per graph, the calls rotating over
 `--layers` layers of the cache so that repeats do not hit in L2), with CUDA events after a warm-up. GB/s
 counts the keys and values the rows use, read once. Max diffs: against flash attention's output and against
@@ -21,8 +21,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from asyncrl.inference.decode_attention import AVAILABLE, decode_attention, default_split_size
-from asyncrl.inference.model_runner import FLASH_DECODE, flash_decode
+from asyncrl.inference.engine.model_runner import FLASH_DECODE, flash_decode
+from asyncrl.inference.kernels.decode_attention import AVAILABLE, decode_attention, default_split_size
 
 CALLS_PER_GRAPH = 20
 

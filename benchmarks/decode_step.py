@@ -41,7 +41,7 @@ def gpu_ms(run: Callable[[], object], calls: int = 100) -> float:
 
 
 def engine_runs(engine, runs: int) -> None:
-    from asyncrl.inference.engine import GenerationRequest
+    from asyncrl.inference.engine.engine import GenerationRequest
 
     prompts = torch.randint(0, 256, (ROWS, PROMPT), generator=torch.Generator().manual_seed(0)).tolist()
     prefill, prefills = engine.runner.prefill, [0]
@@ -76,8 +76,8 @@ def captured_step(engine) -> None:
 
 
 def sampler(engine) -> None:
-    from asyncrl.inference.engine import GenerationRequest
-    from asyncrl.inference.sampling import SamplingBatch, sample
+    from asyncrl.inference.engine.engine import GenerationRequest
+    from asyncrl.inference.engine.sampling import SamplingBatch, sample
 
     logits = torch.randn(ROWS, QWEN3_06B_CONFIG["vocab_size"], device="cuda", dtype=torch.bfloat16)
     batch = SamplingBatch.of([GenerationRequest([0], temperature=1.0)] * ROWS, "cuda")
@@ -124,7 +124,7 @@ def matrix_products() -> None:
 def kernel_table(engine) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from asyncrl.inference.engine import GenerationRequest
+    from asyncrl.inference.engine.engine import GenerationRequest
 
     prompts = torch.randint(0, 256, (ROWS, PROMPT), generator=torch.Generator().manual_seed(1)).tolist()
     with profile(activities=[ProfilerActivity.CUDA]) as profiler:
@@ -142,7 +142,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("decode_step.py needs a CUDA GPU")
     from asyncrl.config.schema import InferenceConfig
-    from asyncrl.inference.engine import Engine
+    from asyncrl.inference.engine.engine import Engine
 
     folder = Path(tempfile.mkdtemp())
     build_model("qwen3-0.6b", folder, "cuda")

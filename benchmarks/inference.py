@@ -164,8 +164,8 @@ def engine_config(preset: Preset, folder: Path, dtype: str, max_batch_size: int,
 
 
 def native_worker(preset: Preset, folder: Path, repeats: int, settings: dict) -> dict:
-    from asyncrl.inference.engine import Engine, GenerationRequest
-    from asyncrl.inference.kv_cache import bytes_per_token
+    from asyncrl.inference.engine.engine import Engine, GenerationRequest
+    from asyncrl.inference.engine.kv_cache import bytes_per_token
 
     prompts = make_prompts(preset)
     engine = Engine(engine_config(preset, folder, preset.dtype, preset.prompts * preset.n, **settings))
@@ -262,7 +262,7 @@ def hf_worker(preset: Preset, folder: Path, repeats: int) -> dict:
 
 def parity_worker(preset: Preset, folder: Path) -> dict:
     """The engine's sampled-token logprobs against a teacher-forced forward of the same Hugging Face model."""
-    from asyncrl.inference.engine import Engine, GenerationRequest
+    from asyncrl.inference.engine.engine import Engine, GenerationRequest
 
     prompts = make_prompts(preset)[:8]
     result = {}

@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 
 ARGS = [
     "--max-steps", "2", "--seq-len", "96", "--orchestrator.batch-size", "8", "--orchestrator.group-size", "4",

@@ -320,7 +320,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         if args.suite == "cpu":
-            from asyncrl.models import init_model
+            from asyncrl.models.offline import init_model
 
             for preset in ("tiny", "30m"):
                 init_model(Path(scratch) / preset, preset)

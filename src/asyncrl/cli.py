@@ -8,8 +8,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from asyncrl.cpu_threads import passive_openmp_wait
 from asyncrl.errors import AsyncRLError
-from asyncrl.processes import die_with_parent, under_torchrun
+from asyncrl.processes import die_with_torchrun_agent, under_torchrun
 
 USAGE = """usage: asyncrl COMMAND [@ config.toml ...] [--section.key value ...]
 
@@ -27,6 +28,8 @@ commands:
   plot          PNG plots of runs' standard curves ('asyncrl plot RUN [RUN ...] --out DIR')
   slurm         render the run as one sbatch script for several nodes ('--submit' submits it; docs/clusters.md)
   k8s           render the run as Kubernetes manifests (docs/clusters.md)
+  plan          predict s/step and idle time of each split of N GPUs from measured parts, or calibrate
+                them on a finished run ('asyncrl plan --parts parts.json --gpus 8'; docs/clusters.md)
 
 Config files are layered left to right ('@ a.toml @ b.toml'), then dotted flags override them
 ('--trainer.optim.lr 1e-5'). 'asyncrl rl --dry-run' prints the resolved configs and starts nothing;
@@ -38,13 +41,13 @@ Example: asyncrl rl @ examples/reverse_text/rl.toml
 
 
 def _model_init(argv: list[str]) -> None:
-    from asyncrl.models import ARCHITECTURES, PRESETS, init_model
+    from asyncrl.models.offline import ARCHITECTURES, PRESETS, init_model
     from asyncrl.progress import timed
 
     parser = argparse.ArgumentParser(
         prog="asyncrl model init",
-        description="Build a small Qwen3- or Llama-architecture "
-        "model and a byte-level ChatML tokenizer, offline, in Hugging Face format.",
+        description="Build a small model (Qwen3, Llama, or the mixture-of-experts Qwen3-MoE and GLM-4.5 with 8 "
+        "experts, top 2) and a byte-level ChatML tokenizer, offline, in Hugging Face format.",
     )
     parser.add_argument("--output", type=Path, required=True, help="folder to write the model to")
     parser.add_argument("--preset", choices=list(PRESETS), default="small", help="model size (default: small)")
@@ -135,7 +138,7 @@ def _run(command: str, argv: list[str]) -> int | None:
         )
     if command == "inference":
         from asyncrl.cpu_threads import usable_cores
-        from asyncrl.inference.server import serve
+        from asyncrl.inference.api.server import serve
 
         config = cfg.load(cfg.InferenceConfig, argv)[0]
         config.num_threads = config.num_threads or usable_cores()
@@ -157,7 +160,7 @@ def _run(command: str, argv: list[str]) -> int | None:
         return _writing(lambda: train(config), config.output_dir, "rl")
     if command == "eval":
         from asyncrl.config.schema import EvalConfig
-        from asyncrl.evals.run import run_eval
+        from asyncrl.eval_command import run_eval
 
         return run_eval(cfg.load(EvalConfig, argv)[0])
     if command == "env-server":
@@ -174,6 +177,10 @@ def _run(command: str, argv: list[str]) -> int | None:
         return _dashboard(argv)
     if command == "plot":
         return _plot(argv)
+    if command == "plan":
+        from asyncrl.plan.command import plan
+
+        return plan(argv)
     if command in ("slurm", "k8s", "run-folder"):
         from asyncrl.clusters import commands
 
@@ -187,17 +194,25 @@ def _run(command: str, argv: list[str]) -> int | None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "rl":
+        passive_openmp_wait()  # before anything imports torch; its processes share the machine's cores
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return
     command, rest = argv[0], argv[1:]
-    if any(arg in ("-h", "--help") for arg in rest) and command not in ("model", "dashboard", "plot"):
+    if any(arg in ("-h", "--help") for arg in rest) and command not in ("model", "dashboard", "plot", "plan"):
         from asyncrl.config.reference import COMMANDS, help_text
 
-        print(help_text(command) if command in COMMANDS else USAGE)
+        if command in COMMANDS:
+            print(help_text(command))
+            return
+        if command not in ("slurm", "k8s", "run-folder"):
+            print(f"asyncrl {command}: error: unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
+            sys.exit(2)
+        print(USAGE)
         return
     if under_torchrun():
-        die_with_parent()  # torchrun does not stop its ranks when it is killed itself
+        die_with_torchrun_agent()  # torchrun does not stop its ranks when it is killed itself
     try:
         code = _run(command, rest)
     except AsyncRLError as e:

@@ -13,6 +13,7 @@ from transformers.utils import logging as hf_logging
 
 from asyncrl.config.schema import ModelConfig
 from asyncrl.errors import AsyncRLError
+from asyncrl.placement import rank_device
 
 hf_logging.disable_progress_bar()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -93,10 +94,6 @@ def load_model(
 
 
 def resolve_device(device: str, local_rank: int = 0) -> torch.device:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        device = f"cuda:{local_rank}"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise AsyncRLError(f"device '{device}' asked for, but torch sees no CUDA GPU (use device = 'cpu')")
-    return torch.device(device)
+    """This process's device (placement.rank_device): local rank r of 'cuda' on cuda:r, of 'cuda:N' on cuda:N + r."""
+    gpus = torch.cuda.device_count() if device != "cpu" and torch.cuda.is_available() else 0
+    return torch.device(rank_device(device, local_rank, gpus))

@@ -2,8 +2,8 @@
 
 The dashboard, `asyncrl plot`, the trackers and docs/metrics.md all read this one list, so a name is
 documented once. Names hold placeholders for the parts a run chooses: `<label>` (an environment's key in
-the config), `<name>` (a reward function or rubric metric), `<i>` (an inference server's index), `<n>` and
-`<k>` (avg@n, pass@k).
+the config), `<name>` (a reward function or rubric metric), `<i>` (an inference server's index, or a decoder
+layer's in `moe/` names), `<n>` and `<k>` (avg@n, pass@k).
 
     python -m asyncrl.metric_names > docs/metrics.md
 """
@@ -108,6 +108,19 @@ METRICS: list[Metric] = [
         "groups per batch",
         "groups sent again after their server went down, since the last batch",
     ),
+    Metric(
+        "groups/retried",
+        ORCH,
+        "groups per batch",
+        "groups sent again after a request failed by its server's fault (5xx, connection, timeout), since the "
+        "last batch",
+    ),
+    Metric(
+        "groups/failed",
+        ORCH,
+        "groups per batch",
+        "groups left out because a request was rejected (4xx) or failed on every retry, since the last batch",
+    ),
     Metric("groups/in_flight", ORCH, "groups", "groups in flight when the batch was cut"),
     Metric("queue/rollouts", ORCH, "rollouts", "rollouts left in the queue after the cut"),
     Metric("queue/groups", ORCH, "groups", "groups left in the queue after the cut"),
@@ -115,6 +128,22 @@ METRICS: list[Metric] = [
     Metric("pool/oldest_version", ORCH, "policy version", "the same: the oldest version among the servers up"),
     Metric("pool/servers_up", ORCH, "servers", "inference servers up at the cut"),
     Metric("pool/times_down", ORCH, "times, since the start", "how often a server was marked down"),
+    Metric(
+        "failed_requests/client_error",
+        ORCH,
+        "requests per batch",
+        "generate requests the servers rejected (HTTP 4xx: the request's own fault), since the last batch",
+    ),
+    Metric("failed_requests/server_error", ORCH, "requests per batch", "generate requests answered with HTTP 5xx"),
+    Metric(
+        "failed_requests/connection",
+        ORCH,
+        "requests per batch",
+        "generate requests whose connection was refused or broke before the answer",
+    ),
+    Metric(
+        "failed_requests/timeout", ORCH, "requests per batch", "generate requests unanswered within request_timeout"
+    ),
     Metric("server/<i>/up", ORCH, "1 up, 0 down", "inference server i at the cut"),
     Metric("server/<i>/policy_version", ORCH, "policy version", "the version server i held at the cut"),
     Metric("server/<i>/groups_in_flight", ORCH, "groups", "groups in flight on server i at the cut"),
@@ -139,6 +168,15 @@ METRICS: list[Metric] = [
         "seconds",
         "time since the last batch that dispatch was held back by the off-policy bound",
     ),
+    Metric(
+        "event_loop_lag_ms/p50",
+        ORCH,
+        "milliseconds",
+        "median of how late the orchestrator's event loop woke from a 10 ms sleep, since the last batch: how long "
+        "blocking work held up every request, dispatch and weight update (docs/orchestrator.md)",
+    ),
+    Metric("event_loop_lag_ms/p99", ORCH, "milliseconds", "the 99th percentile of those wake-up delays"),
+    Metric("event_loop_lag_ms/max", ORCH, "milliseconds", "the longest of those wake-up delays"),
     Metric("timestamp/generate_start", ORCH, "Unix time (s)", "when the first of the batch's groups was sent"),
     Metric("timestamp/generate_end", ORCH, "Unix time (s)", "when the batch was cut"),
     # orchestrator: online evals (docs/evals.md), one line per eval before the batch line of its step
@@ -183,16 +221,49 @@ METRICS: list[Metric] = [
         "batch was cut",
     ),
     Metric("time/wait_for_batch", T, "seconds", "wall time waiting for the batch's rollout files"),
+    Metric(
+        "time/forward_backward",
+        T,
+        "seconds",
+        "reading the batch's checks, then every micro-batch's forward, loss and backward (the device included)",
+    ),
+    Metric("time/optimizer", T, "seconds", "gradient clipping and the AdamW step"),
+    Metric(
+        "time/publish",
+        T,
+        "seconds",
+        "gathering the weights and handing them to the transfer (a file write runs on in the background); "
+        "with time/wait_for_batch, time/forward_backward and time/optimizer it makes time/step",
+    ),
+    # mixture-of-experts models (docs/models.md): over the step's tokens, all ranks
+    Metric(
+        "moe/aux_loss",
+        T,
+        "balancing loss (1 = balanced)",
+        "E x sum over experts of (share of token-expert pairs) x (mean router probability), mean over MoE layers; "
+        "loss.router_aux_coef weighs it into the loss",
+    ),
+    Metric("moe/router_entropy", T, "nats per token", "entropy of the router's distribution over experts"),
+    Metric(
+        "moe/load_imbalance",
+        T,
+        "max / mean pairs per expert",
+        "the busiest expert's token-expert pairs over the mean, mean over MoE layers (1 = balanced)",
+    ),
+    Metric("moe/load_imbalance_max", T, "max / mean pairs per expert", "moe/load_imbalance of the worst layer"),
+    Metric("moe/layer_<i>/load_imbalance", T, "max / mean pairs per expert", "moe/load_imbalance of decoder layer i"),
     Metric("timestamp/train_start", T, "Unix time (s)", "when training on the batch started"),
     Metric("timestamp/train_end", T, "Unix time (s)", "when the step's weights were published"),
     # sft
     Metric("eval/loss", S, "nats per answer token", "mean -log p of the held-out examples' answer tokens"),
+    Metric("tokens/answer", S, "tokens", "answer (loss) tokens trained on so far, all ranks"),
+    Metric("tokens/total", S, "tokens", "tokens of the rows trained on so far (prompts and padding-free answers)"),
 ]
 
 SOURCES = {
     ORCH: "`asyncrl orchestrator`, " + BATCH,
-    T: "`asyncrl trainer` (rank 0), one line per step; SFT logs `loss`, `lr`, `grad_norm` and `perf/tokens_per_s` "
-    "with source `sft`, every `log_interval` steps",
+    T: "`asyncrl trainer` (rank 0), one line per step; SFT logs `loss`, `lr`, `grad_norm`, `perf/tokens_per_s` "
+    "and the `moe/` metrics with source `sft`, every `log_interval` steps",
     S: "`asyncrl sft`",
 }
 
@@ -211,7 +282,7 @@ def render() -> str:
         '`time` is the Unix time the line was written. A count "per batch" is of one batch, or of the time',
         "since the previous batch was cut; the unit says when a count is since the start. `<label>` is an",
         "environment's key in the config, `<name>` a reward function or rubric metric, `<i>` an inference",
-        "server's index (docs/orchestrator.md).",
+        "server's index (docs/orchestrator.md), or in `moe/` names a decoder layer's (docs/models.md).",
     ]
     for source, about in SOURCES.items():
         lines += ["", f"## source `{source}`", "", about, "", "| metric | unit | meaning |", "|---|---|---|"]

@@ -2,13 +2,13 @@
 of a start-up and a traceback in a child's log:
 
 - output_dir can be created and written;
-- the devices asked for exist;
 - the model folder holds a model (a config.json that parses, weights, a tokenizer);
 - every environment loads (its name, its module, its arguments), and its first prompts leave room for an
   answer within seq_len: none does is an error (the run would train nothing); some do not, answers cut
   short of `sampling.max_tokens`, or `max_tokens` longer than `seq_len` are warnings.
 
-The orchestrator checks the prompt lengths again when it starts by itself (`asyncrl orchestrator`).
+The devices asked for are checked where they are placed (placement.py). The orchestrator checks the prompt
+lengths again when it starts by itself (`asyncrl orchestrator`).
 """
 
 from __future__ import annotations
@@ -39,29 +39,20 @@ def check_output_dir(output_dir: Path) -> None:
         raise AsyncRLError(f"output_dir '{output_dir}' is not writable (set output_dir to a folder you can write)")
 
 
-def check_devices(replicas: list[InferenceConfig], trainer: TrainerConfig, trainer_ranks: int) -> None:
-    """Devices asked for by name must exist here: CUDA on a machine with a GPU, enough GPUs for the indices."""
-    asked = [("deployment.inference_device", r.device) for r in replicas] + [
-        ("deployment.trainer_device", trainer.device)
-    ]
-    if not any(device.startswith("cuda") for _, device in asked):
-        return
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    for key, device in asked:
-        if not device.startswith("cuda"):
-            continue
-        if gpus == 0:
-            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-            raise AsyncRLError(
-                f"{key} = '{device}', but torch ({torch.__version__}, {build}) sees no CUDA GPU here "
-                f"(set {key} = 'cpu', or 'auto')"
-            )
-        index = int(device[5:]) if device[5:].isdigit() else 0
-        needed = index + 1 if key.startswith("deployment.inference") else trainer_ranks
-        if needed > gpus:
-            raise AsyncRLError(f"{key} = '{device}' needs {needed} GPU(s), and torch sees {gpus}")
+def cpu_oversubscription(
+    replicas: list[InferenceConfig], trainer: TrainerConfig, trainer_ranks: int, cores: int
+) -> str | None:
+    """A warning when the processes that compute on the CPU outnumber its usable cores: each then gets less than
+    a core, and a step takes many times longer than on fewer processes."""
+    on_cpu = sum(r.device == "cpu" for r in replicas) + (trainer_ranks if trainer.device == "cpu" else 0)
+    if on_cpu <= cores:
+        return None
+    return (
+        f"{trainer_ranks if trainer.device == 'cpu' else 0} trainer rank(s) and "
+        f"{sum(r.device == 'cpu' for r in replicas)} inference server(s) compute on the CPU, which has {cores} usable "
+        "core(s): each gets less than one, and steps will be slow (lower deployment.trainer_ranks or "
+        "deployment.inference_replicas)"
+    )
 
 
 @dataclass
@@ -132,6 +123,15 @@ def check_prompt_lengths(environments: dict[str, Environment], tokenizer, cfg: O
             raise AsyncRLError(error)
         warnings += found
     return warnings
+
+
+def online_eval_environments(cfg: OrchestratorConfig) -> dict[str, Environment]:
+    """The held-out environments of the run's online evals, built here so that an unknown name or bad args
+    stop the run before any process starts (none when evals are off)."""
+    from asyncrl.evals.online import online_eval_environments as configs
+    from asyncrl.evals.run import load_eval_environments
+
+    return load_eval_environments(configs(cfg)) if cfg.eval.interval else {}
 
 
 def local_environments(cfg: OrchestratorConfig) -> dict[str, Environment]:

@@ -4,7 +4,8 @@
   the parent went (`kill -9` included): `die_with_parent` asks for that (prctl PR_SET_PDEATHSIG). Elsewhere a
   thread watches the parent and ends the process when it is gone. The launcher asks for it in every child
   it starts, before the child's program runs; a process started by torchrun asks for it itself, at start,
-  since torchrun starts its ranks in sessions of their own and does not stop them when it is killed.
+  before its imports (`die_with_torchrun_agent`), since torchrun starts its ranks in sessions of their own and
+  does not stop them when it is killed; if the agent is already gone by then, the rank ends at once.
 - A stopped child takes its whole tree with it: `stop_trees` signals every descendant, not only the child's
   process group, so ranks that torchrun put in sessions of their own are reached too.
 """
@@ -36,6 +37,27 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def die_with_torchrun_agent() -> None:
+    """For a rank torchrun started: die with the agent, and die now if the agent was killed before this ran
+    (in the moments between its starting this process and here). An orphan's new parent is init (pid 1) or a
+    subreaper, not a Python process; so a parent that is pid 1 or does not run Python means the agent is gone.
+    `python -m asyncrl` calls this first thing, before its imports."""
+    die_with_parent()
+    if not _may_be_an_agent(os.getppid()):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _may_be_an_agent(pid: int) -> bool:
+    if pid <= 1:
+        return False
+    try:
+        process = psutil.Process(pid)
+        command = " ".join(process.cmdline())
+        return "python" in process.name().lower() or "torchrun" in command or "python" in command.lower()
+    except psutil.Error:
+        return False
+
+
 def _watch_parent(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(0.5)
@@ -60,6 +82,18 @@ def tree(pid: int) -> list[psutil.Process]:
         return [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
+
+
+def stopped_in_tree(pid: int) -> list[int]:
+    """The pids of the process's tree that are stopped (SIGSTOP, SIGTSTP, a debugger): frozen, not dead."""
+    stopped = []
+    for process in tree(pid):
+        try:
+            if process.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+                stopped.append(process.pid)
+        except psutil.Error:
+            continue
+    return stopped
 
 
 def stop_trees(pids: list[int], grace: float) -> None:

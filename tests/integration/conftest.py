@@ -12,7 +12,7 @@ from servers import free_port, inference_command, running_server
 
 from asyncrl.loading import load_tokenizer
 from asyncrl.metrics import JsonlWriter
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 from asyncrl.orchestrator.sample_log import sample_record
 
 RL_EVAL = ("--orchestrator.eval.interval", "2", "--orchestrator.eval.environments.reverse_text.num_examples", "2")

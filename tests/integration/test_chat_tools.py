@@ -15,7 +15,7 @@ import openai
 import pytest
 from servers import free_port, running_server
 
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 
 pytestmark = pytest.mark.integration
 
@@ -60,6 +60,7 @@ def tool_model(tmp_path_factory):
     sft = [sys.executable, "-m", "asyncrl", "sft", "--model.name", str(root / "tiny"), "--data.path", str(data)]
     sft += ["--data.epochs", "1000", "--data.batch_size", "2", "--max_steps", "80", "--optim.lr", "0.01"]
     sft += ["--optim.warmup_steps", "5", "--seq_len", "512", "--output_dir", str(root / "sft"), "--num_threads", "1"]
+    sft += ["--device", "cpu"]  # the same model on every host: trained on a GPU, it made the T=20 test fail there
     result = subprocess.run(sft, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     return root / "sft" / "final"
@@ -132,7 +133,21 @@ def test_a_named_tool_choice_starts_the_call_and_the_model_writes_its_arguments(
     chunks = list(ask(client, messages, tool_choice="required", stream=True, stream_options={"include_usage": True}))
     [streamed] = chunks[0].choices[0].delta.tool_calls  # the whole answer, once valid, in one chunk
     assert (streamed.index, streamed.function.arguments) == (0, required.message.tool_calls[0].function.arguments)
-    assert chunks[0].choices[0].finish_reason == "tool_calls" and chunks[-1].usage.prompt_tokens > 0
+    # ... and its finish reason in one of its own, as OpenAI and vLLM end a choice
+    assert chunks[0].choices[0].finish_reason is None and chunks[1].choices[0].finish_reason == "tool_calls"
+    assert chunks[-1].usage.prompt_tokens > 0
+
+
+def test_the_stream_helper_sees_a_required_call_s_arguments_done(client):
+    """The official client's `chat.completions.stream()` fires `tool_calls.function.arguments.done` only for a
+    call whose finish reason comes in a later chunk."""
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    with client.chat.completions.stream(
+        model="tools", messages=messages, tools=TOOLS, temperature=0, tool_choice="required"
+    ) as stream:
+        done = [event for event in stream if event.type == "tool_calls.function.arguments.done"]
+    assert [event.name for event in done] == ["get_weather"]
+    assert json.loads(done[0].arguments) == {"city": "Oslo"}
 
 
 def test_a_required_call_the_model_does_not_write_fails_after_its_attempts(client):

@@ -16,9 +16,9 @@ import pytest
 from servers import free_port, inference_command, running_server  # tests/integration, on sys.path under pytest
 
 from asyncrl.config.schema import RLEnvironmentConfig, SamplingConfig
-from asyncrl.environments import environment_from_config
+from asyncrl.env_server.remote import environment_from_config
 from asyncrl.loading import load_tokenizer
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 from asyncrl.orchestrator.client import InferenceClient, ServedPolicy
 
 pytestmark = pytest.mark.integration
@@ -136,7 +136,7 @@ def test_a_finite_stream_of_examples_comes_whole_across_batches(env_server):
 LOCAL_SCRIPT = """
 import asyncio, sys
 from asyncrl.config.schema import RLEnvironmentConfig
-from asyncrl.environments import environment_from_config
+from asyncrl.env_server.remote import environment_from_config
 from asyncrl.env_server import remote
 env = environment_from_config("words", RLEnvironmentConfig(name="reverse_text", env_server="local", workers=1))
 example = next(env.examples(0))

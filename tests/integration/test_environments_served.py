@@ -17,7 +17,7 @@ from asyncrl.config.schema import OrchestratorConfig, SamplingConfig
 from asyncrl.environments import load_environment
 from asyncrl.environments.base import Completion, Rollout
 from asyncrl.loading import load_tokenizer
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 from asyncrl.orchestrator.batch import BatchCutter, batch_metrics
 from asyncrl.orchestrator.client import InferenceClient, ServedPolicy
 from asyncrl.orchestrator.dispatcher import Dispatcher

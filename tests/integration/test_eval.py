@@ -18,7 +18,7 @@ from servers import free_port, inference_command, running_server  # tests/integr
 from asyncrl.environments import load_environment
 from asyncrl.evals.metrics import pass_at_k
 from asyncrl.metrics import read_jsonl
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ import pytest
 
 from asyncrl.checkpoints import RL_PARTS, checkpoint_problem
 from asyncrl.metrics import read_jsonl
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 
 pytestmark = pytest.mark.integration
 

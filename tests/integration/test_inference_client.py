@@ -21,7 +21,7 @@ import httpx
 import pytest
 from servers import free_port, inference_command, running_server  # tests/integration, on sys.path under pytest
 
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 from asyncrl.orchestrator.client import InferenceClient, ServerUnavailable
 
 pytestmark = pytest.mark.integration

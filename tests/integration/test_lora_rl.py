@@ -8,7 +8,7 @@ import json
 import pytest
 from rl_runs import by_source, policy_kl, run_rl  # tests/integration, on sys.path under pytest
 
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 from asyncrl.transport import weights
 
 pytestmark = pytest.mark.integration

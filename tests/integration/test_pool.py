@@ -19,7 +19,7 @@ from rl_runs import by_source  # tests/integration, on sys.path under pytest
 
 from asyncrl.checkpoints import part_dir
 from asyncrl.metrics import read_jsonl
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +29,7 @@ ARGS = [
     "--orchestrator.sampling.max-tokens", "8", "--trainer.optim.lr", "1e-2",
     "--deployment.inference-threads", "1", "--deployment.trainer-threads", "1",
 ]  # fmt: skip
-TIMING = ("time", "perf/", "time/", "timestamp/")
+TIMING = ("time", "perf/", "time/", "timestamp/", "event_loop_lag_ms/")
 
 
 def command(model: Path, output_dir: Path, *extra: str) -> list[str]:
@@ -128,6 +128,11 @@ def test_the_bound_holds_with_stragglers_and_weights_changing_mid_episode(tiny_m
     stale = sum(o["off_policy/dropped"] + o["groups/cancelled"] for o in orchestrator.values())
     assert stale > 0, "no straggler was dropped or cancelled"
     assert sum(o["off_policy/mixed_versions"] for o in orchestrator.values()) > 0, "no episode spanned two versions"
+    # While batches are packed and written and weights change, the event loop wakes on time. On the 2-core
+    # machine, loaded to 5 by other runs, a step's p99 read 5-33 ms (median 16) and its p50 under 1 ms. The
+    # machine's load alone can delay one step's wake-ups past 50 ms, so that bound holds for the typical step.
+    p99 = sorted(o["event_loop_lag_ms/p99"] for o in orchestrator.values())
+    assert p99[len(p99) // 2] < 50 and p99[-1] < 250, p99
 
 
 def test_resume_with_groups_queued_and_in_flight_loses_and_repeats_nothing(tiny_model, tmp_path):
@@ -153,10 +158,12 @@ def test_resume_with_groups_queued_and_in_flight_loses_and_repeats_nothing(tiny_
     queued = [g["index"] for g in saved[step]["queue"]]
     pending = [p["index"] for p in saved[step]["pending"]]
 
-    rl(tiny_model, run, *flags, "--resume.step", str(step))
+    # The resumed run goes on long enough to train every saved group (a batch takes two).
+    steps = max(6, step + -(-(len(queued) + len(pending)) // 2))
+    rl(tiny_model, run, *flags, "--max-steps", str(steps), "--resume.step", str(step))
     trained = [(r["step"], r["group"]) for r in read_jsonl(run / "samples.jsonl")]
     groups = [g for _, g in trained]
-    assert sorted({s for s, _ in trained}) == list(range(1, 7))
-    assert len(groups) == len(set(groups)) == 12, "a group was trained on twice, or a batch is short"
+    assert sorted({s for s, _ in trained}) == list(range(1, steps + 1))
+    assert len(groups) == len(set(groups)) == 2 * steps, "a group was trained on twice, or a batch is short"
     after = {g for s, g in trained if s > step}
     assert set(queued) <= after and set(pending) <= after, "a group saved in the checkpoint was lost"

@@ -15,7 +15,7 @@ import pytest
 
 from asyncrl.checkpoints import RL_PARTS, find_resume_step, part_dir
 from asyncrl.metrics import read_jsonl
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 from asyncrl.transport.weights import MARKER, weights_dir
 
 pytestmark = pytest.mark.integration
@@ -35,7 +35,7 @@ SFT_ARGS = [
     "--eval.size", "16", "--eval.interval", "2", "--ckpt.interval", "2", "--num-threads", "1",
 ]  # fmt: skip
 # Values that depend on timing, not on the computation.
-TIMING = ("time", "perf/", "time/", "timestamp/")
+TIMING = ("time", "perf/", "time/", "timestamp/", "event_loop_lag_ms/")
 
 
 def asyncrl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

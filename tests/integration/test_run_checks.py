@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 from asyncrl.run_lock import LOCK_NAME
 
 pytestmark = pytest.mark.integration

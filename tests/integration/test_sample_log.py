@@ -10,7 +10,7 @@ from scored_rollouts import scored_group
 from servers import free_port, inference_command, running_server
 
 from asyncrl.loading import load_tokenizer
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 from asyncrl.orchestrator.sample_log import sample_record, token_pieces
 
 pytestmark = pytest.mark.integration

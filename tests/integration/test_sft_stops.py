@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 
 pytestmark = pytest.mark.integration
 

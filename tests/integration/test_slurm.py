@@ -23,7 +23,7 @@ import psutil
 import pytest
 from rl_runs import by_source  # tests/integration, on sys.path under pytest
 
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 
 pytestmark = [pytest.mark.slurm, pytest.mark.integration]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.metrics import read_jsonl
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 
 pytestmark = pytest.mark.integration
 

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from asyncrl.config.schema import SamplingConfig  # noqa: E402
 from asyncrl.environments import load_environment  # noqa: E402
 from asyncrl.loading import load_tokenizer  # noqa: E402
-from asyncrl.models import init_model  # noqa: E402
+from asyncrl.models.offline import init_model  # noqa: E402
 from asyncrl.orchestrator.client import InferenceClient, ServedPolicy  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.verifiers]

@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.metrics import read_jsonl
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 from asyncrl.transport.weights import publish
 
 VLLM_PYTHON = os.environ.get("ASYNCRL_VLLM_PYTHON", "")

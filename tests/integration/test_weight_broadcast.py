@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from asyncrl.config.schema import WeightTransferConfig
 from asyncrl.errors import AsyncRLError
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 from asyncrl.transport import weights
 from asyncrl.transport.broadcast import WeightReceiver, WeightSender
 from asyncrl.transport.waiting import PeerTimeout
@@ -169,9 +169,9 @@ def test_update_without_broadcast_needs_a_folder_with_weights(tmp_path, monkeypa
     from fastapi.testclient import TestClient
 
     from asyncrl.config.schema import InferenceConfig
-    from asyncrl.inference.engine import Engine
-    from asyncrl.inference.native_backend import NativeBackend
-    from asyncrl.inference.server import create_app
+    from asyncrl.inference.api.server import create_app
+    from asyncrl.inference.backends.native_backend import NativeBackend
+    from asyncrl.inference.engine.engine import Engine
 
     init_model(tmp_path / "base", "tiny")
     monkeypatch.setenv("ASYNCRL_ADMIN_TOKEN", "token")
@@ -193,7 +193,7 @@ def test_update_without_broadcast_needs_a_folder_with_weights(tmp_path, monkeypa
 def test_asyncrl_rl_puts_trainer_and_every_server_in_one_group_on_a_free_port():
     from asyncrl.config import load
     from asyncrl.config.schema import RLConfig
-    from asyncrl.launcher import resolve
+    from asyncrl.run_setup import resolve
 
     cfg, _ = load(RLConfig, ["--weight-transfer.mode", "broadcast", "--deployment.inference-replicas", "3"])
     replicas, _, trainer = resolve(cfg)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from asyncrl.environments.base import Completion
-from asyncrl.models import build_tokenizer
+from asyncrl.models.offline import build_tokenizer
 
 
 class ScriptedPolicy:

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.config.schema import PerfConfig
 from asyncrl.errors import AsyncRLError
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 from asyncrl.trainer.attention import (
     CUDNN_MIN_TOKENS,
     DOCUMENT_ATTENTION,

@@ -14,10 +14,10 @@ from asyncrl import checkpoints
 from asyncrl.config.schema import ModelConfig, OptimConfig, PerfConfig
 from asyncrl.environments.reverse_text import ReverseText
 from asyncrl.errors import AsyncRLError
-from asyncrl.launcher import resume_run
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 from asyncrl.orchestrator import checkpoint as orchestrator_checkpoint
 from asyncrl.orchestrator.sampler import EnvironmentSampler
+from asyncrl.output_dir import resume_run
 from asyncrl.trainer import checkpoint as trainer_checkpoint
 from asyncrl.trainer.distributed import close_distributed, init_distributed
 from asyncrl.trainer.logprobs import compute_logprobs
@@ -143,7 +143,7 @@ def test_orchestrator_resume_restores_the_sampler_to_draw_what_comes_next(tmp_pa
     saved = sampler()
     saved.draw(7)
     progress = orchestrator_checkpoint.OrchestratorProgress(step=2, policy_version=1, sampler=saved.state_dict())
-    orchestrator_checkpoint.save(tmp_path, progress)
+    orchestrator_checkpoint.save(tmp_path, progress, [])
     write_part(tmp_path, 2, "trainer")
     restored = sampler()
     assert orchestrator_checkpoint.resume(tmp_path, None, restored) == progress
@@ -152,7 +152,7 @@ def test_orchestrator_resume_restores_the_sampler_to_draw_what_comes_next(tmp_pa
 
 def test_orchestrator_resume_with_other_environments_is_one_clear_error(tmp_path):
     state = {"drawn": {"arithmetic": 4}}
-    orchestrator_checkpoint.save(tmp_path, orchestrator_checkpoint.OrchestratorProgress(2, 1, state))
+    orchestrator_checkpoint.save(tmp_path, orchestrator_checkpoint.OrchestratorProgress(2, 1, state), [])
     write_part(tmp_path, 2, "trainer")
     with pytest.raises(AsyncRLError, match="does not fit this run: saved environments"):
         orchestrator_checkpoint.resume(tmp_path, None, sampler())

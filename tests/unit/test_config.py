@@ -4,7 +4,7 @@ import pytest
 
 from asyncrl.config import ConfigError, RLConfig, TrainerConfig, load
 from asyncrl.config.schema import SFTConfig
-from asyncrl.launcher import resolve
+from asyncrl.run_setup import resolve
 
 
 def write(path: Path, text: str) -> Path:
@@ -121,7 +121,7 @@ def test_resolve_gives_each_replica_its_port_and_a_share_of_the_threads():
 def test_resolve_puts_replicas_on_consecutive_gpus_from_the_one_given():
     flags = ["--inference.port", "9000", "--deployment.inference-replicas", "2",
              "--deployment.inference-device", "cuda:2", "--deployment.trainer-device", "cuda"]  # fmt: skip
-    replicas, orchestrator, trainer = resolve(load(RLConfig, flags)[0])
+    replicas, orchestrator, trainer = resolve(load(RLConfig, flags)[0], gpus=4)
     assert [r.device for r in replicas] == ["cuda:2", "cuda:3"]
     assert [r.port for r in replicas] == [9000, 9001]
     assert trainer.device == "cuda"
@@ -146,6 +146,15 @@ def test_help_lists_every_key_with_its_type_default_and_meaning(capsys):
     text = capsys.readouterr().out
     assert "--trainer.optim.lr float (default: 1e-05)" in text
     assert "--orchestrator.environments.<label>.weight float (default: 1.0)" in text
+
+
+def test_help_of_an_unknown_command_names_it_and_fails(capsys):
+    from asyncrl.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["plann", "--help"])
+    assert exited.value.code == 2
+    assert "unknown command 'plann'" in capsys.readouterr().err
 
 
 def test_an_invalid_shared_key_is_reported_once_not_once_per_section():

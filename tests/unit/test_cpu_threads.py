@@ -48,3 +48,25 @@ def test_each_trainer_rank_takes_its_share_of_the_cores(ranks, monkeypatch, rest
         assert torch.get_num_threads() == max(1, usable_cores() // ranks)
     finally:
         close_distributed()
+
+
+@pytest.mark.parametrize("command, given, expected", [
+    ("rl", None, "PASSIVE"), ("rl", "ACTIVE", "ACTIVE"), ("sft", None, "unset"), ("sft", "PASSIVE", "PASSIVE"),
+])  # fmt: skip
+def test_rl_makes_openmp_wait_passively_unless_the_user_chose(command, given, expected, monkeypatch):
+    """Set by `asyncrl rl` before torch loads OpenMP, and inherited by every process it starts; a user's value
+    stays; a command that runs alone leaves OpenMP's default."""
+    if given is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", given)
+    script = """
+        import contextlib, io, subprocess, sys
+        from asyncrl.cli import main
+        with contextlib.redirect_stdout(io.StringIO()):
+            main(["COMMAND", "--help"])
+        assert "torch" not in sys.modules
+        child = "import os; print(os.environ.get('OMP_WAIT_POLICY', 'unset'))"
+        print(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True).stdout.strip())
+    """
+    assert run_python(script.replace("COMMAND", command)) == expected

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from triton_device import INTERPRETED, device_or_skip
 
-from asyncrl.inference.decode_attention import decode_attention
+from asyncrl.inference.kernels.decode_attention import decode_attention
 
 DEVICE = device_or_skip()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -12,8 +12,9 @@ import pytest
 import torch
 from triton_device import INTERPRETED, device_or_skip
 
-from asyncrl.inference.decode_heads import decode_heads
-from asyncrl.inference.model_runner import split_heads
+from asyncrl.inference.engine.model_runner import rotary_tables as runner_tables
+from asyncrl.inference.engine.model_runner import split_heads
+from asyncrl.inference.kernels.decode_heads import decode_heads
 
 DEVICE = device_or_skip()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -62,10 +63,11 @@ def make_inputs(batch, heads, kv_heads, dim, dtype, norm: bool, slots=6, max_len
     return qkv, qk_scale, cos, sin, positions, keys, values
 
 
-def reference(qkv, qk_scale, cos, sin, positions, keys, values, heads):
+def reference(qkv, qk_scale, cos, sin, positions, keys, values, heads, rotary_dim=None):
     """The runner's other paths: `split_heads` (eager) with the position gathers, then the index writes."""
     dim = keys.shape[-1]
-    q, k, v = split_heads(qkv, qk_scale, EPS, cos[positions][:, None], sin[positions][:, None], heads, dim)
+    tables = cos[positions][:, None], sin[positions][:, None]
+    q, k, v = split_heads(qkv, qk_scale, EPS, *tables, heads, dim, rotary_dim or dim)
     rows = torch.arange(qkv.shape[0], device=qkv.device)
     keys[rows, positions] = k
     values[rows, positions] = v
@@ -133,3 +135,23 @@ def test_a_captured_graph_replays_for_new_positions():
     torch.testing.assert_close(q, expected, **tolerance(dtype))
     torch.testing.assert_close(keys, expected_keys, **tolerance(dtype))
     assert torch.equal(values, expected_values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_partial_rotary_turns_the_first_dimensions_only(dtype):
+    """GLM-style rotary on half of each head: the runner's tables (cos 1, sin 0 past the rotated half) and the
+    kernel's partners agree with split_heads, and the other half passes through unrotated."""
+    batch, heads, kv_heads, dim = 3, 4, 2, 64
+    qkv, qk_scale, _, _, positions, keys, values = make_inputs(batch, heads, kv_heads, dim, dtype, norm=False)
+    rotary = dim // 2  # transformers' raw tables for those dimensions, halves equal
+    inverse = 1.0 / 10000 ** (torch.arange(0, rotary, 2).float() / rotary)
+    angles = torch.arange(40).float()[:, None] * inverse[None]
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = (t.to(dtype).to(DEVICE) for t in runner_tables(angles.cos(), angles.sin(), dim))
+    expected_keys, expected_values = keys.clone(), values.clone()
+    expected = reference(qkv, None, cos, sin, positions, expected_keys[1], expected_values[1], heads, dim // 2)
+    q = decode_heads(qkv, None, EPS, cos, sin, positions, keys[1], values[1], heads, rotary_dim=dim // 2)
+    torch.testing.assert_close(q, expected, **tolerance(dtype))
+    torch.testing.assert_close(keys, expected_keys, **tolerance(dtype))
+    passed = qkv.view(batch, -1, dim)[:, :heads, dim // 2 :]
+    assert torch.equal(q[..., dim // 2 :], passed)

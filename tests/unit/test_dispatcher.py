@@ -94,10 +94,13 @@ class Harness:
         await self.pool.close()
 
     async def settle(self) -> None:
-        """Let every task run until nothing changes."""
-        for _ in range(20):
+        """Let every task run until nothing changes for a while (the dispatcher draws examples in a thread)."""
+        state, quiet = None, 0
+        while quiet < 3:
             self.notifier.notify()
-            await asyncio.sleep(0)
+            await asyncio.sleep(0.01)
+            now = (self.sent(), len(self.dispatcher.unsent), self.dispatcher.next_index, len(self.queue))
+            quiet, state = (quiet + 1 if now == state else 0), now
 
     def sent(self) -> list[int]:
         return sorted(self.dispatcher.inflight)

@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.config.schema import InferenceConfig
 from asyncrl.errors import AsyncRLError
-from asyncrl.inference.engine import Engine, GenerationRequest, RequestError, WeightsError
-from asyncrl.inference.kv_cache import GIB
-from asyncrl.models import init_model
+from asyncrl.inference.engine.engine import Engine, GenerationRequest, RequestError, WeightsError
+from asyncrl.inference.engine.kv_cache import GIB
+from asyncrl.models.offline import init_model
 from asyncrl.transport.weights import publish
 
 TIMEOUT = 30
@@ -109,9 +109,9 @@ def test_samples_of_one_request_share_one_prefill(engine, monkeypatch):
     prefilled = []
     original = engine.runner.prefill
 
-    def prefill(prompts, rows, first_slot, holders=None):
+    def prefill(prompts, rows, first_slot, holders=None, **routed):
         prefilled.append((len(prompts), list(rows)))
-        return original(prompts, rows, first_slot, holders)
+        return original(prompts, rows, first_slot, holders, **routed)
 
     monkeypatch.setattr(engine.runner, "prefill", prefill)
     completions = run(engine, n=4, max_tokens=6, seed=5)
@@ -411,7 +411,7 @@ def test_weights_of_another_shape_are_refused(engine, tmp_path):
 def test_a_sampler_that_cannot_be_built_falls_back_to_torch(model_dir, monkeypatch, caplog):
     """As on a GPU whose toolchain cannot build the Triton sampler: the check at start says so in one
     warning, and the engine samples in torch instead of failing requests."""
-    import asyncrl.inference.engine as engine_module
+    import asyncrl.inference.engine.engine as engine_module
 
     def fails_to_build(*_):
         raise RuntimeError("PTX compile failed\n(a long traceback)")

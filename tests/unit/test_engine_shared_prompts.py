@@ -11,8 +11,8 @@ import pytest
 from triton_device import device_or_skip
 
 from asyncrl.config.schema import InferenceConfig
-from asyncrl.inference.engine import Engine, GenerationRequest
-from asyncrl.models import init_model
+from asyncrl.inference.engine.engine import Engine, GenerationRequest
+from asyncrl.models.offline import init_model
 
 DEVICE = device_or_skip()
 TIMEOUT = 300

@@ -12,7 +12,7 @@ from asyncrl.environments.rubric import Rubric
 from asyncrl.environments.tool_calc import calculate, run_tool_call
 from asyncrl.environments.wordle import marks
 from asyncrl.errors import AsyncRLError
-from asyncrl.models import build_tokenizer
+from asyncrl.models.offline import build_tokenizer
 
 
 def test_reverse_text_examples_are_seeded_and_within_lengths():

@@ -33,3 +33,13 @@ def test_rl_examples_share_one_setting_and_start_from_their_sft_model(task):
     assert all(env.advantage.estimator == "grpo" and not env.advantage.std_normalize
                for env in rl.orchestrator.environments.values())  # fmt: skip
     assert Path(rl.model.name) == sft.output_dir / "final"
+
+
+def test_the_mixture_of_experts_reverse_text_layers_load_and_chain():
+    """run_moe.sh's layering: its SFT writes the model its RL starts from, with router replay on."""
+    folder = EXAMPLES / "reverse_text"
+    sft, _ = load(SFTConfig, ["@", str(folder / "sft.toml"), "@", str(folder / "moe_sft.toml")])
+    rl, _ = load(RLConfig, ["@", str(folder / "rl.toml"), "@", str(folder / "moe_rl.toml")])
+    assert Path(rl.model.name) == sft.output_dir / "final"
+    assert rl.trainer.loss.router_replay and rl.orchestrator.router_replay
+    assert (folder / "run_moe.sh").is_file()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncrl.inference.prometheus import prometheus_text
+from asyncrl.inference.api.prometheus import prometheus_text
 
 
 def test_values_are_written_whole_not_rounded_to_six_digits():

@@ -1,11 +1,11 @@
-"""The live view of `asyncrl rl` (launcher.Progress) reads metrics.jsonl and keeps the trained step and the
+"""The live view of `asyncrl rl` (live_view.Progress) reads metrics.jsonl and keeps the trained step and the
 newest generated batch apart: with max_async_level 1 batch n + 1 is generated while step n trains."""
 
 from __future__ import annotations
 
 import json
 
-from asyncrl.launcher import Progress
+from asyncrl.live_view import Progress
 
 
 def write(path, *records):

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from asyncrl.config.schema import LoRAConfig, ModelConfig
 from asyncrl.errors import AsyncRLError
 from asyncrl.loading import load_model
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 from asyncrl.trainer.lora import adapter_config, apply_lora, is_lora
 from asyncrl.transport import weights
 

@@ -11,7 +11,7 @@ import torch
 from pydantic import ValidationError
 
 from asyncrl.config.schema import LossConfig
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.trainer.loss import LossInputs, rl_loss
 

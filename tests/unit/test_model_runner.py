@@ -1,4 +1,5 @@
-"""The engine's own forward passes against Hugging Face's, and the padding CUDA graphs add."""
+"""The engine's own forward passes against Hugging Face's (slots and paged KV caches), and the padding CUDA
+graphs add."""
 
 from __future__ import annotations
 
@@ -8,10 +9,16 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from asyncrl.errors import AsyncRLError
-from asyncrl.inference import model_runner
-from asyncrl.inference.kv_cache import KVCache
-from asyncrl.inference.model_runner import ModelRunner, check_supported, decode_attention_kernel
-from asyncrl.models import init_model
+from asyncrl.inference.engine import model_runner
+from asyncrl.inference.engine.kv_cache import KVCache
+from asyncrl.inference.engine.model_runner import (
+    ModelRunner,
+    check_supported,
+    decode_attention_kernel,
+    paged_attention_kernel,
+)
+from asyncrl.inference.engine.paged_cache import PagedKVCache
+from asyncrl.models.offline import init_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [40, 41, 42]]
 
@@ -109,6 +116,49 @@ def test_a_moved_slot_decodes_as_before(model):
     assert torch.allclose(row, last_logits(model, PROMPTS[2] + [13]), atol=1e-5)
 
 
+def paged_runner_for(model, num_blocks: int = 16, block_size: int = 2, max_len: int = 32) -> ModelRunner:
+    config = model.config
+    cache = PagedKVCache(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, num_blocks,
+                         block_size, max_len, 8, torch.float32, torch.device("cpu"))  # fmt: skip
+    return ModelRunner(model, cache, cuda_graphs=False)
+
+
+@torch.inference_mode()
+def test_paged_prefill_and_decode_give_the_logits_of_the_slots_layout(model):
+    """Rows 0 and 1 share prompt 0's blocks (two samples of one request), their last block partly filled;
+    row 0 writes its token into a copy of that block (copy-on-write), row 1 into the original. Blocks are
+    scattered through the pool; sdpa over the gathered blocks gives the slots layout's logits exactly."""
+    slots, paged = runner_for(model), paged_runner_for(model)
+    expected_prefill = slots.prefill(PROMPTS, rows=[0, 0, 2, 1], first_slot=0)
+    # Prompt 0 (5 tokens) in blocks 9, 3, 12; prompt 1 (2 tokens) in 5; prompt 2 (3 tokens) in 0, 7.
+    prefill = paged.prefill_paged(PROMPTS, [[9, 3, 12], [5], [0, 7]])
+    assert torch.equal(prefill, expected_prefill)
+    paged.cache.copy_block(12, 14)
+    tables = [[9, 3, 14], [9, 3, 12], [0, 7], [5, 1]]  # prompt 1's next token starts block 1
+    next_tokens = [11, 12, 13, 14]
+    positions = [5, 5, 3, 2]
+    expected = slots.decode(next_tokens, positions)
+    decoded = paged.decode_paged(next_tokens, positions, tables)
+    assert torch.equal(decoded, expected)
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[2], PROMPTS[1]]
+    for prompt, token, row in zip(prompts, next_tokens, decoded):
+        assert torch.allclose(row, last_logits(model, prompt + [token]), atol=1e-5)
+    tables[0].append(2)
+    tables[1].append(13)
+    [first, second] = paged.decode_paged([21, 22], [6, 6], tables[:2])
+    assert torch.allclose(first, last_logits(model, PROMPTS[0] + [11, 21]), atol=1e-5)
+    assert torch.allclose(second, last_logits(model, PROMPTS[0] + [12, 22]), atol=1e-5)
+
+
+def test_what_cannot_read_paged_blocks_yet_is_refused_with_the_fix():
+    with pytest.raises(AsyncRLError, match="cuda_graphs = false"):
+        paged_attention_kernel("auto", "triton", cuda_graphs=True)
+    with pytest.raises(AsyncRLError, match="'flash' reads contiguous slots"):
+        paged_attention_kernel("flash", "flash", cuda_graphs=False)
+    assert paged_attention_kernel("auto", "flash", cuda_graphs=False) == "sdpa"  # a GPU without triton
+    assert paged_attention_kernel("auto", "triton", cuda_graphs=False) == "triton"
+
+
 def test_an_unsupported_architecture_is_refused_with_the_fix(model):
     config = model.config.__class__(**{**model.config.to_dict(), "hidden_act": "gelu"})
     with pytest.raises(AsyncRLError, match="activation is 'gelu'.*vLLM"):
@@ -190,3 +240,30 @@ def test_a_decoding_step_that_cannot_compile_stops_the_start_with_the_way_out(mo
     with pytest.raises(AsyncRLError, match=r"could not be compiled .*RuntimeError: backend compiler failed\); "
                        r"serve without compiling: inference.compile = false"):  # fmt: skip
         runner.warm_up()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU decoding kernels and CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "glm4_moe"])
+@torch.inference_mode()
+def test_gpu_mixture_of_experts_decoding_matches_the_eager_path(tmp_path, architecture):
+    """Router and grouped experts captured in CUDA graphs (bf16, Triton heads with GLM's partial rotary) against
+    the same runner's eager masked path; and the experts the captured step records are those it routed to."""
+    from asyncrl.models.checkpoint import load_native
+
+    init_model(tmp_path / "moe", "tiny", seed=2, architecture=architecture)
+    model = load_native(str(tmp_path / "moe"), "cuda", torch.bfloat16).eval()
+    config = model.config
+    cache = KVCache(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, 8, 32, torch.bfloat16,
+                    torch.device("cuda"))  # fmt: skip
+    runner = ModelRunner(model, cache, cuda_graphs=True, compile=True, attention="auto")
+    runner.warm_up()
+    runner.prefill(PROMPTS, rows=[0, 1, 2], first_slot=0)
+    tokens, positions = [11, 12, 13], [len(p) for p in PROMPTS]
+    fast = runner.decode(tokens, positions).float()
+    routed = runner.routed[:3].clone()
+    runner.attention, runner.graphs = "sdpa", None
+    runner.routed.zero_()
+    masked = runner.decode(tokens, positions).float()
+    assert (fast - masked).abs().max() < 0.02 * masked.abs().max()
+    assert (fast.argmax(-1) == masked.argmax(-1)).all()
+    assert torch.equal(routed.sort(-1).values, runner.routed[:3].sort(-1).values)

@@ -8,7 +8,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from asyncrl.config.schema import ModelConfig, OptimConfig, PerfConfig
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 from asyncrl.trainer.distributed import close_distributed, init_distributed
 from asyncrl.trainer.logprobs import compute_logprobs
 from asyncrl.trainer.model import (
@@ -89,3 +89,17 @@ def test_fsdp_unit_shards_each_decoder_layer_or_the_root_only(world, perf, layer
     assert isinstance(model, FSDPModule)
     layers = decoder_layers(model)
     assert len(layers) == 2 and all(isinstance(layer, FSDPModule) == layers_are_units for layer in layers)
+
+
+def test_clipping_scales_gradients_over_the_limit_and_leaves_the_rest_untouched():
+    model = torch.nn.Linear(4, 3)
+    for parameter in model.parameters():
+        parameter.grad = torch.full_like(parameter, 0.5)
+    before = [parameter.grad.clone() for parameter in model.parameters()]
+    norm = 0.5 * (15**0.5)
+    assert clip_grad_norm(model, 10.0) == pytest.approx(norm)
+    for parameter, grad in zip(model.parameters(), before, strict=True):
+        assert torch.equal(parameter.grad, grad)
+    assert clip_grad_norm(model, 1.0) == pytest.approx(norm)
+    total = torch.cat([parameter.grad.flatten() for parameter in model.parameters()]).norm()
+    assert float(total) == pytest.approx(1.0, rel=1e-5)

@@ -6,14 +6,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from asyncrl import preflight
 from asyncrl.config import InferenceConfig, OrchestratorConfig, TrainerConfig
 from asyncrl.environments import Example, load_environment
 from asyncrl.errors import AsyncRLError
 from asyncrl.loading import check_model, load_tokenizer
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +94,28 @@ def test_an_unknown_environment_name_is_refused():
         preflight.local_environments(OrchestratorConfig(environments={"reverse_txt": {}}))
 
 
+def test_an_unknown_online_eval_environment_is_refused_before_start():
+    cfg = OrchestratorConfig(eval={"interval": 5, "environments": {"held_out": {"name": "reverse_txt"}}})
+    with pytest.raises(AsyncRLError, match="unknown environment 'reverse_txt'"):
+        preflight.online_eval_environments(cfg)
+    assert (
+        preflight.online_eval_environments(cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"interval": 0})}))
+        == {}
+    )
+
+
+def test_an_eval_entry_labelled_as_a_training_environment_is_that_environment():
+    from asyncrl.evals.online import online_eval_environments
+
+    training = {"letters": {"name": "reverse_text", "args": {"min_length": 3, "max_length": 5}}}
+    cfg = OrchestratorConfig(
+        environments=training, eval={"environments": {"letters": {"num_examples": 64, "args": {"max_length": 9}}}}
+    )
+    entry = online_eval_environments(cfg)["letters"]
+    assert (entry.name, entry.args, entry.num_examples) == ("reverse_text", {"min_length": 3, "max_length": 9}, 64)
+    assert online_eval_environments(OrchestratorConfig(environments=training))["letters"].name == "reverse_text"
+
+
 def lengths(tiny_model: Path, **fields) -> list[str]:
     cfg = OrchestratorConfig(**fields)
     environments = preflight.local_environments(cfg)
@@ -139,9 +160,9 @@ def test_an_environment_that_builds_its_own_prompts_is_not_measured(tiny_model):
     assert preflight.check_prompt_lengths({"tokens": TokenPrompts()}, load_tokenizer(str(tiny_model)), cfg) == []
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_a_cuda_trainer_on_a_machine_without_cuda_is_refused():
-    with pytest.raises(AsyncRLError) as error:
-        preflight.check_devices([InferenceConfig(device="cpu")], TrainerConfig(device="cuda"), 1)
-    assert one_line(error).startswith("deployment.trainer_device = 'cuda', but torch")
-    assert "sees no CUDA GPU here (set deployment.trainer_device = 'cpu', or 'auto')" in one_line(error)
+def test_more_cpu_processes_than_cores_is_a_warning_naming_them():
+    servers = [InferenceConfig(device="cpu")]
+    warning = preflight.cpu_oversubscription(servers, TrainerConfig(device="cpu"), 8, cores=2)
+    assert "8 trainer rank(s) and 1 inference server(s) compute on the CPU, which has 2 usable core(s)" in warning
+    assert preflight.cpu_oversubscription(servers, TrainerConfig(device="cpu"), 1, cores=2) is None
+    assert preflight.cpu_oversubscription(servers, TrainerConfig(device="cuda"), 8, cores=2) is None

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from asyncrl.inference.sampling import LogitAdjustments, SamplingBatch, filter_logprobs, inverse_cdf, sample
-from asyncrl.inference.sequence import GenerationRequest
+from asyncrl.inference.engine.sampling import LogitAdjustments, SamplingBatch, filter_logprobs, inverse_cdf, sample
+from asyncrl.inference.engine.sequence import GenerationRequest
 
 
 def Params(prompt_ids: list[int] = [0], **fields) -> GenerationRequest:  # noqa: B006, N802 - read-only default

@@ -10,9 +10,9 @@ import pytest
 import torch
 from triton_device import device_or_skip
 
-from asyncrl.inference.sampling import SamplingBatch, sample, sample_fused
-from asyncrl.inference.sampling_kernel import BLOCK
-from asyncrl.inference.sequence import GenerationRequest
+from asyncrl.inference.engine.sampling import SamplingBatch, sample, sample_fused
+from asyncrl.inference.engine.sequence import GenerationRequest
+from asyncrl.inference.kernels.sampling_kernel import BLOCK
 
 DEVICE = device_or_skip()
 

@@ -14,7 +14,7 @@ from asyncrl.config.schema import SFTDataConfig
 from asyncrl.data import epoch_order, load_rows
 from asyncrl.environments.reverse_text import ReverseText
 from asyncrl.errors import AsyncRLError
-from asyncrl.models import build_tokenizer
+from asyncrl.models.offline import build_tokenizer
 from asyncrl.trainer.sft import SFTSample, pack_samples, padding_row, tokenize_sft
 from asyncrl.trainer.sft_data import Chat, load_sft_data, split_held_out
 

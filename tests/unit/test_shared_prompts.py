@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from asyncrl.inference.scheduler import Scheduler
-from asyncrl.inference.sequence import GenerationRequest, PendingRequest
-from asyncrl.inference.shared_prompts import PromptCopy, SharedPrompts
+from asyncrl.inference.engine.scheduler import Scheduler
+from asyncrl.inference.engine.sequence import GenerationRequest, PendingRequest
+from asyncrl.inference.engine.shared_prompts import PromptCopy, SharedPrompts
 
 
 def pending(n: int, prompt_len: int) -> PendingRequest:

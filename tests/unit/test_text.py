@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from asyncrl.inference.text import SampleText, TokenText
-from asyncrl.models import init_model
+from asyncrl.inference.api.text import SampleText, TokenText
+from asyncrl.models.offline import init_model
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 
 
 def test_model_init_round_trips_through_hugging_face(tmp_path):

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from asyncrl.inference.tool_calls import ToolCallFormat, ToolCallParser, split_tool_calls
-from asyncrl.models import build_tokenizer
+from asyncrl.inference.api.tool_calls import ToolCallFormat, ToolCallParser, split_tool_calls
+from asyncrl.models.offline import build_tokenizer
 
 NAMES = frozenset({"get_weather", "add"})
 OURS = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'

@@ -6,8 +6,8 @@ import pytest
 
 from asyncrl.config.schema import InferenceConfig
 from asyncrl.errors import AsyncRLError
-from asyncrl.inference.kv_cache import GIB
-from asyncrl.inference.vllm_process import GPU_HEADROOM, vllm_memory_args
+from asyncrl.inference.backends.vllm_process import GPU_HEADROOM, vllm_memory_args
+from asyncrl.inference.engine.kv_cache import GIB
 
 TOKEN_BYTES = 114688  # Qwen3-0.6B in bfloat16: 28 layers x 8 KV heads x 128 x 2 (key, value) x 2 bytes
 WEIGHTS = int(1.2 * GIB)

@@ -11,7 +11,7 @@ from transformers import AutoConfig
 
 from asyncrl.config.schema import ModelConfig, PerfConfig, TrainerConfig, WeightTransferConfig
 from asyncrl.loading import load_tokenizer
-from asyncrl.models import init_model
+from asyncrl.models.offline import init_model
 from asyncrl.trainer.distributed import close_distributed, init_distributed
 from asyncrl.trainer.model import full_state_dict, parallelize, setup_model
 from asyncrl.trainer.rl import publish_weights

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from asyncrl.inference.triton_import import AVAILABLE
+from asyncrl.inference.kernels.triton_import import AVAILABLE
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -28,6 +28,7 @@ from asyncrl.clusters.layout import inference_port, process_configs, replica_cou
 from asyncrl.clusters.run_folder import TOKEN_ENV
 from asyncrl.config import RLConfig, to_toml
 from asyncrl.config.loader import build, deep_merge, share_rl_keys
+from asyncrl.config.transfer_mode import transfer_mode
 from asyncrl.errors import AsyncRLError
 
 CONFIG_PATH = "/etc/asyncrl"
@@ -187,9 +188,8 @@ class Manifests:
 
     def _trainer_ports(self) -> list[dict[str, Any]]:
         ports = [{"name": "rendezvous", "port": self.cfg.cluster.rendezvous_port}]
-        if self.cfg.weight_transfer.mode == "broadcast":
-            ports.append({"name": "weights", "port": self.cfg.weight_transfer.port})
-        return ports
+        transfer = transfer_mode(self.cfg.weight_transfer.mode).trainer_ports(self.cfg.weight_transfer.port)
+        return ports + [{"name": name, "port": port} for name, port in transfer]
 
     def inference(self) -> dict[str, Any]:
         per_node = self.cfg.cluster.replicas_per_node

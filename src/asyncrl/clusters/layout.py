@@ -20,8 +20,10 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from asyncrl.config import RLConfig
+from asyncrl.config.transfer_mode import fixed_port, transfer_mode
 from asyncrl.errors import AsyncRLError
-from asyncrl.launcher import replica_names
+from asyncrl.placement import node_device
+from asyncrl.run_setup import replica_names
 
 BIND_ALL = "0.0.0.0"  # servers are reached by their node's address, whichever interface that is on
 CLUSTER_PORT = 8000  # the first inference port of a node when inference.port is 0
@@ -56,11 +58,7 @@ def check_layout(cfg: RLConfig) -> None:
     """What a cluster run needs that a one-node run does not: ports fixed in advance."""
     if inference_port(cfg) + cfg.cluster.replicas_per_node - 1 > 65535:
         raise AsyncRLError(f"inference.port {inference_port(cfg)} leaves no room for cluster.replicas_per_node ports")
-    if cfg.weight_transfer.mode == "broadcast" and cfg.weight_transfer.port == 0:
-        raise AsyncRLError(
-            "weight_transfer.port is 0, and on a cluster the inference servers must know trainer rank 0's port "
-            "in advance (set weight_transfer.port, e.g. 29501)"
-        )
+    transfer_mode(cfg.weight_transfer.mode).group_port(cfg.weight_transfer, fixed_port)
 
 
 def process_configs(cfg: RLConfig) -> dict[str, BaseModel]:
@@ -75,21 +73,17 @@ def process_configs(cfg: RLConfig) -> dict[str, BaseModel]:
             f"orchestrator.inference_urls holds {len(cfg.orchestrator.inference_urls)} URL(s), and the cluster runs "
             f"{count} inference server(s) (cluster.inference_nodes x cluster.replicas_per_node)"
         )
-    device = "cuda" if cluster.gpus_per_node else "cpu"  # each server sees only its own GPU, as cuda:0
+    device = node_device(cluster.gpus_per_node)
     threads = max(1, deployment.inference_threads // cluster.replicas_per_node) if deployment.inference_threads else 0
     replicas = []
     for index in range(count):
         replica = cfg.inference.model_copy(deep=True)
         replica.host, replica.port = BIND_ALL, replica_port(cfg, index)
         replica.device, replica.num_threads = device, threads
-        if cfg.weight_transfer.mode == "broadcast":
-            replica.weight_transfer.receivers, replica.weight_transfer.rank = count, index + 1
         replicas.append(replica)
     orchestrator = cfg.orchestrator.model_copy(deep=True)
-    orchestrator.num_trainer_ranks = cluster.trainer_nodes * cluster.trainer_ranks_per_node
+    orchestrator.num_trainer_ranks = cfg.trainer.rollout_files(cluster.trainer_nodes * cluster.trainer_ranks_per_node)
     trainer = cfg.trainer.model_copy(deep=True)
     trainer.device, trainer.num_threads = device, deployment.trainer_threads
-    if cfg.weight_transfer.mode == "broadcast":
-        for section in (orchestrator, trainer):
-            section.weight_transfer.receivers = count
+    transfer_mode(cfg.weight_transfer.mode).join(replicas, [orchestrator, trainer], fixed_port)
     return {**dict(zip(replica_names(count), replicas)), "orchestrator": orchestrator, "trainer": trainer}

@@ -13,7 +13,7 @@ from asyncrl.clusters.layout import process_configs
 from asyncrl.config import RLConfig, write_toml
 from asyncrl.config.schema import ResumeConfig
 from asyncrl.errors import AsyncRLError
-from asyncrl.launcher import prepare_output_dir, resume_run
+from asyncrl.output_dir import prepare_output_dir, resume_run
 
 
 def prepare(cfg: RLConfig, clean: bool = False, requeued: bool = False) -> int | None:

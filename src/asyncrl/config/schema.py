@@ -8,7 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+from asyncrl.config.custom_loss import import_loss
+from asyncrl.config.transfer_mode import transfer_mode
 
 
 class Config(BaseModel):
@@ -28,6 +31,11 @@ class LoRAConfig(Config):
         min_length=1,
         description="names of the linear layers that get an adapter",
     )
+    experts: bool = Field(
+        False,
+        description="mixture-of-experts models: also give every routed expert adapters on its gate_proj, up_proj "
+        "and down_proj (those of target_modules); off: attention, dense and shared-expert layers only",
+    )
 
 
 class ModelConfig(Config):
@@ -36,6 +44,12 @@ class ModelConfig(Config):
         "float32", description="compute dtype (the trainer keeps fp32 master weights)"
     )
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="transformers attention kernel")
+    impl: Literal["auto", "native", "hf"] = Field(
+        "auto",
+        description="the trainer's model: native = our implementation of the registered families (docs/models.md: "
+        "expert parallelism, router replay); hf = transformers' class; auto = native where the model's family is "
+        "registered and perf.attention = 'document', else hf",
+    )
     lora: LoRAConfig | None = Field(
         None, description="train LoRA adapters only, publish only them ([model.lora] with defaults turns it on)"
     )
@@ -125,15 +139,21 @@ class LossConfig(Config):
     custom: str | None = Field(
         None, description="type = 'custom': 'module:function' taking (LossInputs, LossConfig), see docs/loss.md"
     )
+    router_aux_coef: float = Field(
+        0.0, ge=0, description="mixture-of-experts models: weight of the load-balancing loss added to the RL loss"
+    )
+    router_replay: bool = Field(
+        False,
+        description="mixture-of-experts models: route each token to the experts the inference engine routed it to "
+        "(the rollouts carry them; native engine and model.impl = 'native')",
+    )
 
     @model_validator(mode="after")
     def _custom_loss_importable(self) -> LossConfig:
         if (self.type == "custom") != (self.custom is not None):
             raise ValueError("set loss.custom = 'module:function' exactly when loss.type = 'custom'")
         if self.custom is not None:
-            from asyncrl.trainer.loss import import_loss  # a bad path fails when the config loads, not at step 1
-
-            import_loss(self.custom)
+            import_loss(self.custom)  # a bad path fails when the config loads, not at step 1
         return self
 
 
@@ -293,6 +313,11 @@ class InferenceConfig(Config):
     backend: Literal["native", "vllm"] = Field(
         "native", description="'native' (the embedded engine) or 'vllm' (a vLLM server run as a child process)"
     )
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto",
+        description="native: 'auto' reads the model's weights; 'dummy' makes random ones from its config.json, "
+        "as vLLM's --load-format dummy (benchmarks of shapes whose weights are not on disk)",
+    )
     vllm: VLLMConfig = VLLMConfig()
     host: str = Field("127.0.0.1", description="address to bind; loopback by default")
     port: int = Field(
@@ -316,6 +341,20 @@ class InferenceConfig(Config):
         description="GiB preallocated for the KV cache, one seq_len slot per running sequence; default: what "
         "max_batch_size slots need, at most 2 GiB on CPU or 80% of the GPU memory left free by the model (vLLM's too)",
     )
+    kv_cache_layout: Literal["slots", "paged"] = Field(
+        "slots",
+        description="'slots': one seq_len slot per running sequence; 'paged': blocks of kv_block_size tokens from "
+        "one pool, taken as sequences grow and freed as they end (no CUDA graphs, no flash decoding attention yet)",
+    )
+    kv_block_size: int = Field(
+        16, ge=1, le=256, description="tokens per KV-cache block with kv_cache_layout = 'paged' (a power of two)"
+    )
+    prefix_cache: bool = Field(
+        False,
+        description="kv_cache_layout = 'paged': keep the full blocks of ended prompts and samples, found by their "
+        "tokens, so a later request starting with the same tokens prefills only the rest (dropped at every weight "
+        "update; the least recently used go first when blocks run out)",
+    )
     cuda_graphs: bool = Field(True, description="replay decoding steps as CUDA graphs (GPU only)")
     compile: bool = Field(
         True,
@@ -326,6 +365,12 @@ class InferenceConfig(Config):
         "auto",
         description="decoding attention kernel: triton (split-KV), flash (torch's flash attention) or sdpa "
         "(masked); auto: triton, else flash, on a GPU in half precision, sdpa elsewhere",
+    )
+    moe_kernel: Literal["auto", "triton", "grouped_mm"] = Field(
+        "auto",
+        description="mixture-of-experts layers in decoding steps: triton (kernels/moe_experts.py) or grouped_mm "
+        "(torch's grouped matrix products, as in training; prefills always); auto: triton on a GPU in half "
+        "precision, grouped_mm elsewhere",
     )
     share_prompts: bool = Field(
         True,
@@ -357,13 +402,27 @@ class InferenceConfig(Config):
     max_stop_strings: int = Field(16, ge=0, description="most stop strings one request may give")
     max_stop_string_length: int = Field(64, ge=1, description="longest stop string, in characters")
 
+    @field_validator("kv_block_size")
+    @classmethod
+    def _block_size_is_a_power_of_two(cls, size: int) -> int:
+        if size & (size - 1):
+            raise ValueError(f"kv_block_size {size} is not a power of two (use 16)")
+        return size
+
     @model_validator(mode="after")
-    def _broadcast_needs_the_native_engine(self) -> InferenceConfig:
-        if self.backend == "vllm" and self.weight_transfer.mode == "broadcast":
+    def _the_prefix_cache_needs_blocks(self) -> InferenceConfig:
+        if self.prefix_cache and self.kv_cache_layout != "paged":
             raise ValueError(
-                "weight_transfer.mode = 'broadcast' needs inference.backend = 'native' "
-                "(the vLLM backend loads published folders: use 'filesystem')"
+                "inference.prefix_cache = true keeps KV-cache blocks, which only inference.kv_cache_layout = "
+                "'paged' has (set kv_cache_layout = 'paged', or prefix_cache = false)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _the_backend_takes_the_transfer_mode(self) -> InferenceConfig:
+        problem = transfer_mode(self.weight_transfer.mode).backend_problem(self.backend)
+        if problem:
+            raise ValueError(problem)
         return self
 
 
@@ -406,12 +465,36 @@ class OrchestratorConfig(Config):
     server_timeout: float = Field(
         60.0, gt=0, description="seconds a server may leave /health unanswered before it is marked down"
     )
-    num_trainer_ranks: int = Field(1, ge=1, description="batch files per step (set by `asyncrl rl`)")
+    server_failures_before_down: int = Field(
+        3,
+        ge=1,
+        description="requests in a row failed by a server's fault (HTTP 5xx, connection refused or broken; not a "
+        "timeout) before it is marked down; their groups go again to another server",
+    )
+    no_server_timeout: float = Field(
+        300.0, gt=0, description="seconds without any inference server up before the run stops"
+    )
+    max_failed_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="the run stops when more than this share of the groups that ended since the last batch failed "
+        "(a request rejected, HTTP 4xx, or failed on every retry), counted over at least batch_size / group_size "
+        "groups; 1 never stops",
+    )
+    num_trainer_ranks: int = Field(
+        1, ge=1, description="batch files per step: trainer ranks / trainer.cp (set by `asyncrl rl`)"
+    )
     samples_per_step: int = Field(
         4, ge=0, description="decoded rollouts (one per prompt) written to samples.jsonl each step"
     )
     request_timeout: float = Field(600.0, gt=0, description="seconds for one generate request")
     wait_timeout: float = Field(900.0, gt=0, description="seconds to wait for the inference server or new weights")
+    router_replay: bool = Field(
+        False,
+        description="ask the servers for the experts each token went to and carry them in the rollouts (set from "
+        "trainer.loss.router_replay by `asyncrl rl`)",
+    )
     ckpt: CheckpointConfig = CheckpointConfig()
     resume: Resume = None
     weight_transfer: WeightTransferConfig = WeightTransferConfig()
@@ -474,6 +557,11 @@ class BenchConfig(Config):
     micro_batches: int = Field(1, ge=1, description="rows per rank per optimizer step")
     warmup_steps: int = Field(3, ge=0, description="steps run first and left out of the figures")
     steps: int = Field(8, ge=1, description="measured steps (the figures are their medians)")
+    profile: Path | None = Field(
+        None,
+        description="folder for a torch.profiler trace of two more steps after the measured ones (one Chrome "
+        "trace per rank, open it in Perfetto); rank 0 also prints their costliest kernels",
+    )
 
 
 class TrainerConfig(Config):
@@ -490,12 +578,26 @@ class TrainerConfig(Config):
     num_threads: int = Field(
         0, ge=0, description="torch CPU threads per rank; 0 = the usable cores divided among this machine's ranks"
     )
+    ep: int = Field(
+        1, ge=1, description="expert parallelism: ranks that share one copy of the routed experts (divides the ranks)"
+    )
+    cp: int = Field(
+        1,
+        ge=1,
+        description="context parallelism: ranks that split each row's tokens between them, exchanging them for "
+        "attention heads around attention (divides the ranks and the model's KV heads; model.impl native)",
+    )
     keep_rollouts: bool = Field(False, description="keep rollout files after training on them")
     keep_weights: int = Field(3, ge=1, description="newest weights/step_N folders kept on disk")
     wait_timeout: float = Field(900.0, gt=0, description="seconds to wait for the next batch")
     ckpt: CheckpointConfig = CheckpointConfig()
     resume: Resume = None
     weight_transfer: WeightTransferConfig = WeightTransferConfig()
+
+    def rollout_files(self, ranks: int) -> int:
+        """Rollout files per step for `ranks` trainer ranks: one per context-parallel group (its `cp` ranks read
+        the same file). The trainer refuses a `cp` that does not divide its ranks when it starts."""
+        return max(1, ranks // self.cp)
 
 
 class SFTDataConfig(Config):
@@ -551,6 +653,12 @@ class SFTConfig(Config):
     optim: OptimConfig = OptimConfig(lr=2e-3, warmup_steps=10)
     data: SFTDataConfig = SFTDataConfig()
     perf: PerfConfig = PerfConfig()
+    ep: int = Field(
+        1, ge=1, description="expert parallelism: ranks that share one copy of the routed experts (divides the ranks)"
+    )
+    router_aux_coef: float = Field(
+        0.0, ge=0, description="mixture-of-experts models: weight of the load-balancing loss added to the SFT loss"
+    )
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda'")
     num_threads: int = Field(
         0, ge=0, description="torch CPU threads per rank; 0 = the usable cores divided among this machine's ranks"
@@ -571,7 +679,7 @@ class DeploymentConfig(Config):
     inference_device: str = Field(
         "auto", description="device of the inference servers ('cuda:N' puts replica i on GPU N + i)"
     )
-    trainer_device: str = Field("auto", description="device of the trainer ranks")
+    trainer_device: str = Field("auto", description="device of the trainer ranks ('cuda:N' puts rank r on GPU N + r)")
     inference_threads: int = Field(
         0, ge=0, description="CPU threads of all inference servers, split among the replicas; 0 = half the usable cores"
     )
@@ -663,6 +771,19 @@ class RLConfig(Config):
     inference: InferenceConfig = InferenceConfig(port=0)  # free ports: two runs on one machine do not collide
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     trainer: TrainerConfig = TrainerConfig()
+
+    @model_validator(mode="after")
+    def _router_replay_reaches_the_orchestrator(self) -> RLConfig:
+        """The trainer replays what the orchestrator asked the servers for: one setting, copied here."""
+        replay = self.trainer.loss.router_replay
+        if replay and self.inference.backend == "vllm":
+            raise ValueError(
+                "trainer.loss.router_replay needs inference.backend = 'native' (vLLM does not return the experts "
+                "it routed each token to)"
+            )
+        if self.orchestrator.router_replay != replay:
+            self.orchestrator.router_replay = replay
+        return self
 
 
 SHARED_KEYS = ("model", "seq_len", "max_steps", "seed", "output_dir", "ckpt", "resume", "weight_transfer")

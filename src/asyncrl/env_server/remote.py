@@ -2,8 +2,9 @@
 and scoring happen on one or several env-servers, while its episodes (`rollout_group`, `play`) and their
 generation stay in the orchestrator, with the policy it is given.
 
-`environment_server` starts the 'local' env-server: an `asyncrl env-server` child of this process, on a free
-loopback port, that exits with it.
+`environment_from_config` builds the environment of an `[orchestrator.environments.<label>]` section: in this
+process, or a `RemoteEnvironment`. `environment_server` starts the 'local' env-server: an `asyncrl env-server`
+child of this process, on a free loopback port, that exits with it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from typing import Any
 
 import httpx
 
+from asyncrl.config.schema import RLEnvironmentConfig
 from asyncrl.env_server.workers import example_from_json, example_to_json
+from asyncrl.environments import load_environment
 from asyncrl.environments.base import Environment, Example, Messages, RolloutLimits, State
 from asyncrl.environments.rubric import Score
 from asyncrl.errors import AsyncRLError
@@ -202,3 +205,13 @@ class RemoteEnvironment(Environment):
         if "worker_failed" in result or set(result) == {"error"}:
             return Score(reward=0.0, error=result["error"])
         return Score(**result)
+
+
+def environment_from_config(label: str, cfg: RLEnvironmentConfig) -> Environment:
+    """The environment of `[orchestrator.environments.<label>]`: in this process, or served by env-servers
+    (`env_server`): then its respond() and rewards run in their worker processes (docs/environments.md)."""
+    name = cfg.name or label
+    if cfg.env_server is None:
+        return load_environment(name, **cfg.args)
+    urls = [cfg.env_server] if isinstance(cfg.env_server, str) else list(cfg.env_server)
+    return RemoteEnvironment(label, name, cfg.args, urls, cfg.workers, cfg.call_timeout)

@@ -6,7 +6,6 @@ import importlib
 import traceback
 from typing import Any
 
-from asyncrl.config.schema import RLEnvironmentConfig
 from asyncrl.environments.base import Environment, Example
 from asyncrl.errors import AsyncRLError
 
@@ -66,16 +65,4 @@ def load_environment(name: str, **args: Any) -> Environment:
         raise AsyncRLError(f"environment '{name}' failed to build: {_where(e)}{type(e).__name__}: {e}") from None
 
 
-def environment_from_config(label: str, cfg: RLEnvironmentConfig) -> Environment:
-    """The environment of `[orchestrator.environments.<label>]`: in this process, or served by env-servers
-    (`env_server`): then its respond() and rewards run in their worker processes (docs/environments.md)."""
-    name = cfg.name or label
-    if cfg.env_server is None:
-        return load_environment(name, **cfg.args)
-    from asyncrl.env_server.remote import RemoteEnvironment
-
-    urls = [cfg.env_server] if isinstance(cfg.env_server, str) else list(cfg.env_server)
-    return RemoteEnvironment(label, name, cfg.args, urls, cfg.workers, cfg.call_timeout)
-
-
-__all__ = ["Environment", "Example", "environment_from_config", "load_environment"]
+__all__ = ["Environment", "Example", "load_environment"]

@@ -13,11 +13,14 @@ import asyncio
 import copy
 import inspect
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import numpy as np
 
 from asyncrl.errors import AsyncRLError
+from asyncrl.transport.routing import unrecorded
 
 if TYPE_CHECKING:
     from asyncrl.environments.rubric import Rubric, Score
@@ -27,6 +30,7 @@ State = dict[str, Any]
 
 EVAL_SEED = 1_000_003  # the seed of `eval_examples`; keep training seeds small to keep them apart
 END_OF_TURN = "<|im_end|>"  # ChatML's end of a message; tokenizers without it end turns with their EOS
+T = TypeVar("T")
 
 
 @dataclass
@@ -48,12 +52,15 @@ class Example:
 @dataclass
 class Completion:
     """What the policy sampled for one prompt: tokens, their logprobs at the sampling temperature, and the
-    policy version that produced each token."""
+    policy version that produced each token; for router replay, the experts every token of the prompt and of
+    the completion was routed to (int16 [tokens, MoE layers, k], transport/routing.py)."""
 
     token_ids: list[int]
     logprobs: list[float]
     policy_versions: list[int]
     finish_reason: str
+    prompt_routed_experts: np.ndarray | None = None
+    routed_experts: np.ndarray | None = None
 
 
 class Policy(Protocol):
@@ -70,17 +77,31 @@ class Policy(Protocol):
 @dataclass
 class TokenSample:
     """One token sequence the trainer sees. `loss_mask` is True on sampled tokens only; prompt and
-    environment tokens have loss_mask False and logprob 0."""
+    environment tokens have loss_mask False and logprob 0. With router replay, `routed_experts` holds the
+    experts each token went to in the engine's latest pass over it (-1: not recorded)."""
 
     input_ids: list[int]
     loss_mask: list[bool]
     inference_logprobs: list[float]
+    routed_experts: np.ndarray | None = None
 
     def extend(self, token_ids: list[int], logprobs: list[float] | None = None) -> None:
         """Append sampled tokens (with their logprobs) or, without logprobs, tokens outside the loss."""
         self.input_ids += token_ids
         self.loss_mask += [logprobs is not None] * len(token_ids)
         self.inference_logprobs += logprobs if logprobs is not None else [0.0] * len(token_ids)
+        if self.routed_experts is not None:
+            self.routed_experts = np.concatenate([self.routed_experts, unrecorded(len(token_ids), self.routed_experts)])
+
+    def record_routing(self, completion: Completion) -> None:
+        """The routing of the prompt just sent (this sample so far, as the engine's prefill routed it now) and of
+        the completion appended to it."""
+        if completion.routed_experts is None or completion.prompt_routed_experts is None:
+            return
+        prompt = completion.prompt_routed_experts
+        end = len(self.input_ids) - len(completion.token_ids)
+        known = prompt[:end] if len(prompt) >= end else np.concatenate([prompt, unrecorded(end - len(prompt), prompt)])
+        self.routed_experts = np.concatenate([known, completion.routed_experts])
 
 
 @dataclass
@@ -169,6 +190,12 @@ class Episode:
 
     `max_tokens` bounds one token sample (the environment's limit and the server's `seq_len`); `deadline`
     (time.monotonic) is the episode's time limit.
+
+    Rendering a long conversation through a chat template takes milliseconds of Python (Jinja, then the
+    tokenizer), twice a turn, for every episode at once: the episode loop builds an `Episode` and adds the
+    environment's messages in a thread (`asyncio.to_thread`), so the event loop that runs every other episode,
+    and the orchestrator's dispatch, never waits on a template. The tokenizer is shared by those threads,
+    which is safe as long as nobody changes its truncation or padding settings (HF fast tokenizers).
     """
 
     def __init__(
@@ -208,7 +235,8 @@ class Episode:
         other = copy.copy(self)
         other.messages = [dict(m) for m in self.messages]
         other.samples = [
-            TokenSample(list(s.input_ids), list(s.loss_mask), list(s.inference_logprobs)) for s in self.samples
+            TokenSample(list(s.input_ids), list(s.loss_mask), list(s.inference_logprobs), s.routed_experts)
+            for s in self.samples
         ]
         other.policy_versions = list(self.policy_versions)
         return other
@@ -245,6 +273,7 @@ class Episode:
     def add_completion(self, completion: Completion) -> None:
         """Append what the policy sampled, as sampled, and its text as the assistant's message."""
         self.samples[-1].extend(completion.token_ids, completion.logprobs)
+        self.samples[-1].record_routing(completion)
         self.policy_versions += completion.policy_versions
         self.turns += 1
         self.finish_reason = completion.finish_reason
@@ -278,6 +307,18 @@ class Episode:
         self.samples[-1].extend(tokens)
         self.messages += [dict(m) for m in new_messages]
         return True
+
+
+async def all_or_none(coroutines: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
+    """Their results, run concurrently; the first that raises cancels the others and its error is raised
+    (itself, not an ExceptionGroup). A group's episodes run so: one that fails (its request rejected, its
+    server gone) fails the group, and none plays on for nobody."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(coroutine) for coroutine in coroutines]
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return [task.result() for task in tasks]
 
 
 def remaining_time(deadline: float | None) -> float | None:
@@ -332,14 +373,15 @@ class Environment:
 
     async def rollout_group(self, example: Example, policy: Policy, group_size: int) -> list[Rollout]:
         """Play `group_size` episodes of one example in tokens and score each. The first turn is one request
-        for `group_size` samples (the prompt is prefilled once); later turns go on independently."""
+        for `group_size` samples (the prompt is prefilled once); later turns go on independently, until one
+        episode raises: the others are cancelled and the error is the group's."""
         deadline = self.deadline()
         budget = min((b for b in (self.limits.max_tokens, policy.seq_len) if b is not None), default=None)
-        start = Episode(policy, example.prompt, self.tools, budget, deadline)
+        start = await asyncio.to_thread(Episode, policy, example.prompt, self.tools, budget, deadline)
         episodes = await start.first_answers(group_size)
         if not episodes:  # no room left for a first answer (time limit or token budget)
             return [await self.finish(start.copy(), example, {}, truncated=True) for _ in range(group_size)]
-        return list(await asyncio.gather(*(self.play(e, example, deadline) for e in episodes)))
+        return await all_or_none(self.play(e, example, deadline) for e in episodes)
 
     async def play(self, conversation: Conversation, example: Example, deadline: float | None) -> Rollout:
         """The episode loop, from the first answer on: `respond`, then the next answer, until `respond`
@@ -360,7 +402,9 @@ class Environment:
                 return await self.finish(conversation, example, state, error=f"respond {type(e).__name__}: {e}")
             if reply is None:
                 return await self.finish(conversation, example, state, truncated=conversation.finish_reason == "length")
-            if conversation.turns >= self.limits.max_turns or not conversation.add_environment(copy.deepcopy(reply)):
+            if conversation.turns >= self.limits.max_turns or not await asyncio.to_thread(
+                conversation.add_environment, copy.deepcopy(reply)
+            ):
                 return await self.finish(conversation, example, state, truncated=True)
             if not await conversation.next_answer():
                 return await self.finish(conversation, example, state, truncated=True)

@@ -22,7 +22,7 @@ import random
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from asyncrl.environments.base import Environment, Example, Policy, Rollout, TokenSample
+from asyncrl.environments.base import Environment, Example, Policy, Rollout, TokenSample, all_or_none
 from asyncrl.environments.rubric import Rubric
 from asyncrl.errors import AsyncRLError
 
@@ -133,7 +133,7 @@ class VerifiersEnvironment(Environment):
         )
         task = example.info["task"]
         async with self._episodes():
-            episodes = await asyncio.gather(*(self._episode(task, context) for _ in range(group_size)))
+            episodes = await all_or_none(self._episode(task, context) for _ in range(group_size))
         return [self._rollout(example, episode, version) for episode in episodes]
 
     async def _episode(self, task: Any, context: Any) -> Any:

@@ -26,14 +26,27 @@ from asyncrl.metrics import MetricsLogger
 LOGGED = ("avg@", "pass@", "errored", "truncated", "mean/")  # per-environment summary keys that become metrics
 
 
+def online_eval_environments(cfg: OrchestratorConfig) -> dict[str, EvalEnvironmentConfig]:
+    """The environments `asyncrl rl` evaluates: `[orchestrator.eval.environments]`, or the training ones when
+    it is empty. An eval entry without a name whose label is a training environment's is that environment:
+    its name and args, the entry's own args on top (`vowels = { num_examples = 64 }` evaluates `vowels`)."""
+    if not cfg.eval.environments:
+        return {label: EvalEnvironmentConfig(name=env.name, args=env.args) for label, env in cfg.environments.items()}
+    resolved = {}
+    for label, entry in cfg.eval.environments.items():
+        training = cfg.environments.get(label)
+        if entry.name is None and training is not None:
+            entry = entry.model_copy(update={"name": training.name or label, "args": {**training.args, **entry.args}})
+        resolved[label] = entry
+    return resolved
+
+
 class OnlineEvals:
     def __init__(self, cfg: OrchestratorConfig, policy: Policy, metrics: MetricsLogger):
         self.suite = cfg.eval
         self.metrics = metrics
         self.task: asyncio.Task | None = None  # the evals due so far, one after the other
-        self.env_cfgs = self.suite.environments or {
-            label: EvalEnvironmentConfig(name=env.name, args=env.args) for label, env in cfg.environments.items()
-        }
+        self.env_cfgs = online_eval_environments(cfg)
         self.envs = load_eval_environments(self.env_cfgs) if self.suite.interval else {}
         self.route = TokenRoute(policy)
 

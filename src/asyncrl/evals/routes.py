@@ -17,10 +17,9 @@ from typing import Any
 import httpx
 
 from asyncrl.config.schema import SamplingConfig
-from asyncrl.environments.base import Environment, Example, Messages, Rollout, remaining_time
+from asyncrl.environments.base import Environment, Example, Messages, Policy, Rollout, remaining_time
 from asyncrl.errors import AsyncRLError
 from asyncrl.evals.metrics import EvalSample, passes
-from asyncrl.orchestrator.client import ServedPolicy
 
 
 def eval_sample(label: str, index: int, sample: int, rollout: Rollout, threshold: float) -> EvalSample:
@@ -49,7 +48,7 @@ def eval_sample(label: str, index: int, sample: int, rollout: Rollout, threshold
 class TokenRoute:
     """Episodes over `/v1/generate`, played by the environment's own rollout code."""
 
-    def __init__(self, policy: ServedPolicy):
+    def __init__(self, policy: Policy):
         self.policy = policy
 
     async def play(

@@ -44,7 +44,9 @@ class Batch:
                 if rollout.error is not None:
                     continue
                 for s in rollout.samples:
-                    samples.append(Sample(s.input_ids, s.loss_mask, advantage, s.inference_logprobs, temperature))
+                    samples.append(
+                        Sample(s.input_ids, s.loss_mask, advantage, s.inference_logprobs, temperature, s.routed_experts)
+                    )
         return samples
 
 

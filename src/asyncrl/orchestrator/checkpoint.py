@@ -26,6 +26,7 @@ from asyncrl.environments.base import Example, Rollout, TokenSample
 from asyncrl.errors import AsyncRLError
 from asyncrl.orchestrator.queue import ScoredGroup
 from asyncrl.orchestrator.sampler import EnvironmentSampler
+from asyncrl.transport import routing
 
 PART = "orchestrator"
 
@@ -72,6 +73,9 @@ def encode_group(group: ScoredGroup) -> dict[str, Any]:
         fields = asdict(r)
         fields.pop("state")
         fields.pop("example")
+        for sample in fields["samples"]:
+            if sample["routed_experts"] is not None:
+                sample["routed_experts"] = routing.encode(sample["routed_experts"])
         rollouts.append(fields)
     return {
         "index": group.index,
@@ -90,6 +94,9 @@ def decode_group(data: dict[str, Any]) -> ScoredGroup:
     rollouts = []
     for fields in data["rollouts"]:
         samples = [TokenSample(**s) for s in fields.pop("samples")]
+        for sample in samples:
+            if sample.routed_experts is not None:
+                sample.routed_experts = routing.decode(sample.routed_experts)
         rollouts.append(Rollout(example=example, samples=samples, **fields))
     return ScoredGroup(
         data["index"],
@@ -103,7 +110,11 @@ def decode_group(data: dict[str, Any]) -> ScoredGroup:
     )
 
 
-def save(output_dir: Path, progress: OrchestratorProgress) -> None:
+def save(output_dir: Path, progress: OrchestratorProgress, queue: list[ScoredGroup]) -> None:
+    """Write `progress` with `queue` (the queued groups, in order) encoded into it. The orchestrator runs this in
+    a thread: encoding a queue of rollouts and writing it takes long enough to hold up its event loop, and
+    queued groups are never changed, only taken, so the list it snapshots on the loop is safe to read here."""
+    progress.queue = [encode_group(g) for g in queue]
     staging = checkpoints.begin_part(output_dir, progress.step, PART)
     # Environments may keep anything in an example's info: what JSON cannot hold is saved as its text.
     (staging / "progress.json").write_text(json.dumps(asdict(progress), default=repr))

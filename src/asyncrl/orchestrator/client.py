@@ -8,7 +8,15 @@ just as a request goes out on it: the request fails with an empty `RemoteProtoco
 is fine. Pooled connections are therefore dropped well before uvicorn closes idle ones (5 s), and the one
 race left is retried. A connection that cannot be opened at all is not retried: nothing listens there.
 Either way a server that cannot be reached raises `ServerUnavailable`, which names it, the route and the
-cause, so that a pool can mark it down and send its work elsewhere.
+cause, so that a pool can send its work elsewhere.
+
+Every failed call is classified here, and only here, by whose fault it is (`reason`):
+- `client_error` (`RequestRejected`): an HTTP 4xx, the request's own fault (a prompt too long, a bad
+  schema). Sending it again, anywhere, fails again.
+- `server_error`, `connection` (`ServerUnavailable`): an HTTP 5xx, or a connection refused or broken. The
+  same request may succeed on another server, or on this one a little later.
+- `timeout` (`ServerUnavailable`): no answer within the call's timeout. A slow server is not a dead one:
+  the pool charges it no failure and leaves the verdict to its health checks.
 """
 
 from __future__ import annotations
@@ -27,13 +35,35 @@ import httpx
 from asyncrl.config.schema import SamplingConfig
 from asyncrl.environments.base import Completion
 from asyncrl.errors import AsyncRLError
+from asyncrl.transport import routing
 
 KEEPALIVE_EXPIRY = 2.0  # seconds a pooled connection may idle; uvicorn closes idle ones after 5
 RETRY_DELAYS = (0.05, 0.2, 0.5, 1.0, 2.0)  # seconds before each retry of a call whose connection failed
 
 
-class ServerUnavailable(AsyncRLError):
-    """The server could not be reached, or did not answer in time: it may be down; the work can go elsewhere."""
+CLIENT_ERROR, SERVER_ERROR, CONNECTION, TIMEOUT = "client_error", "server_error", "connection", "timeout"
+
+
+class RequestFailed(AsyncRLError):
+    """A call that got no usable answer; `reason` says whose fault it is (see the module docstring)."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class RequestRejected(RequestFailed):
+    """The server refused the request itself (HTTP 4xx): the same request fails on every server."""
+
+    def __init__(self, message: str):
+        super().__init__(message, CLIENT_ERROR)
+
+
+class ServerUnavailable(RequestFailed):
+    """The server failed (HTTP 5xx), could not be reached, or did not answer in time: the work can go elsewhere."""
+
+    def __init__(self, message: str, reason: str = CONNECTION):
+        super().__init__(message, reason)
 
 
 class InferenceClient:
@@ -67,7 +97,7 @@ class InferenceClient:
                 )
             except httpx.TimeoutException:
                 raise ServerUnavailable(
-                    f"inference server at {self.url} did not answer {route} within {timeout:.0f}s"
+                    f"inference server at {self.url} did not answer {route} within {timeout:.0f}s", TIMEOUT
                 ) from None
             except httpx.TransportError as error:
                 reason = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
@@ -82,17 +112,20 @@ class InferenceClient:
 
     async def _post(self, route: str, body: dict[str, Any], admin: bool = False) -> dict[str, Any]:
         response = await self._request("POST", route, body, admin)
-        if response.status_code != 200:
-            raise AsyncRLError(
-                f"inference server at {self.url}: {route} failed ({response.status_code}): {response.text[:500]}"
-            )
-        return response.json()
+        if response.status_code == 200:
+            return response.json()
+        message = f"inference server at {self.url}: {route} failed ({response.status_code}): {response.text[:500]}"
+        if 400 <= response.status_code < 500:
+            raise RequestRejected(message)
+        raise ServerUnavailable(message, SERVER_ERROR)
 
     async def health(self, timeout: float) -> dict[str, Any]:
         """The server's /health answer; ServerUnavailable when it does not answer within `timeout`."""
         response = await self._request("GET", "/health", timeout=timeout)
         if response.status_code != 200:
-            raise ServerUnavailable(f"inference server at {self.url}: /health answered {response.status_code}")
+            raise ServerUnavailable(
+                f"inference server at {self.url}: /health answered {response.status_code}", SERVER_ERROR
+            )
         return response.json()
 
     async def wait_ready(self, timeout: float) -> dict[str, Any]:
@@ -115,7 +148,9 @@ class InferenceClient:
         sampling: SamplingConfig,
         max_tokens: int | None = None,
         seed: int | None = None,
+        routed_experts: bool = False,
     ) -> list[Completion]:
+        """`n` samples of `prompt_ids`; with `routed_experts`, each with the experts its tokens went to."""
         body = {
             "prompt_ids": prompt_ids,
             "n": n,
@@ -126,9 +161,20 @@ class InferenceClient:
         }
         if sampling.ignore_eos:
             body["ignore_eos"] = True
+        if routed_experts:
+            body["return_routed_experts"] = True
         result = await self._post("/v1/generate", body)
+        prompt_routed = result.get("prompt_routed_experts")
+        prompt_routed = routing.decode(prompt_routed) if prompt_routed is not None else None
         return [
-            Completion(c["token_ids"], c["logprobs"], c["policy_versions"], c["finish_reason"])
+            Completion(
+                c["token_ids"],
+                c["logprobs"],
+                c["policy_versions"],
+                c["finish_reason"],
+                prompt_routed,
+                routing.decode(c["routed_experts"]) if "routed_experts" in c else None,
+            )
             for c in result["choices"]
         ]
 
@@ -144,8 +190,16 @@ class ServedPolicy:
     """The `Policy` environments talk to: an inference server plus the run's tokenizer and sampling.
     `seq_len` is the server's bound on prompt + completion tokens, which multi-turn rollouts stay within."""
 
-    def __init__(self, client: InferenceClient, tokenizer: Any, sampling: SamplingConfig, seq_len: int | None = None):
+    def __init__(
+        self,
+        client: InferenceClient,
+        tokenizer: Any,
+        sampling: SamplingConfig,
+        seq_len: int | None = None,
+        routed_experts: bool = False,
+    ):
         self.client = client
+        self.routed_experts = routed_experts  # ask for the experts each token went to (router replay)
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.temperature = sampling.temperature
@@ -173,4 +227,4 @@ class ServedPolicy:
         self, prompt_ids: list[int], n: int, max_tokens: int | None = None, seed: int | None = None
     ) -> list[Completion]:
         seed = self._request_seed(prompt_ids) if seed is None else seed
-        return await self.client.generate(prompt_ids, n, self.sampling, max_tokens, seed)
+        return await self.client.generate(prompt_ids, n, self.sampling, max_tokens, seed, self.routed_experts)

@@ -14,11 +14,21 @@ batch allows can no longer be used, and is cancelled (the server drops its reque
 server went down is sent again, first, to another server, with the same seed. A finished group gets its
 advantages and joins the queue; with `dynamic_sampling`, one whose rewards are all equal (no signal) is
 left out instead, and another example is drawn in its place.
+
+A group whose request failed (the client classifies why, see client.py) is decided on here:
+- rejected by the server (HTTP 4xx): the group fails; it is counted, reported in one line, left out, and
+  another example is drawn in its place;
+- by the server's fault (5xx, connection, timeout): it is sent again, first, with the same seed, to
+  another server, or after a backoff (RETRY_BACKOFF doubling up to RETRY_BACKOFF_MAX) to the same one when
+  no other serves; after GROUP_ATTEMPTS such failures it fails too.
+The run stops when more than `max_failed_fraction` of the groups that ended since the last cut failed,
+counted over at least one batch's worth (batch_size / group_size groups).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -27,18 +37,23 @@ from typing import Any
 
 from asyncrl.config.schema import OrchestratorConfig
 from asyncrl.environments.base import Environment, Example, Rollout
+from asyncrl.errors import AsyncRLError
 from asyncrl.orchestrator.advantages import group_advantages
 from asyncrl.orchestrator.batch import min_policy_version
 from asyncrl.orchestrator.checkpoint import group_seed
-from asyncrl.orchestrator.client import ServedPolicy, ServerUnavailable
+from asyncrl.orchestrator.client import RequestFailed, ServedPolicy, ServerUnavailable
 from asyncrl.orchestrator.notify import Notifier
 from asyncrl.orchestrator.pool import InferencePool, Server
 from asyncrl.orchestrator.queue import RolloutQueue, ScoredGroup
 from asyncrl.orchestrator.sampler import EnvironmentSampler
 
+log = logging.getLogger("asyncrl.orchestrator")
+
 # Dynamic sampling gives up filtering for the rest of a batch after this many batches' worth of groups in a
 # row without signal (a solved or hopeless task would otherwise draw forever).
 FILTER_LIMIT_BATCHES = 8
+GROUP_ATTEMPTS = 5  # sends of one group whose requests fail by the server's fault, before the group fails
+RETRY_BACKOFF, RETRY_BACKOFF_MAX = 0.5, 8.0  # seconds before a group goes again to the server it failed on
 
 
 @dataclass(eq=False)
@@ -53,6 +68,15 @@ class GroupTicket:
     version: int = 0  # the policy version its server held when it was sent
     dispatched_at: float = 0.0
     task: asyncio.Task | None = None
+    attempts: int = 0  # sends that failed by the server's fault
+    failed_on: Server | None = None  # the server of the last of them
+    retry_at: float = 0.0  # time.monotonic() before which it goes nowhere but to another server
+
+
+def prompt_preview(example: Example, chars: int = 60) -> str:
+    """The start of an example's last prompt message, to name the example in a message."""
+    text = str(example.prompt[-1].get("content", "")) if example.prompt else ""
+    return repr(text[:chars] + ("…" if len(text) > chars else ""))
 
 
 def dispatch_room(cut: int, version: int, max_async_level: int, batch: float, committed: float) -> float:
@@ -101,7 +125,8 @@ class Dispatcher:
         self.notifier = notifier
         self.cut = cut  # batches cut so far
         self.next_index = next_index
-        self.retry: deque[GroupTicket] = deque(sorted(pending or (), key=lambda t: t.index))
+        # Drawn, not in flight: sent again after a failure or a server gone down, or just drawn; oldest first.
+        self.unsent: deque[GroupTicket] = deque(sorted(pending or (), key=lambda t: t.index))
         # A resumed run's servers start on the base model, which a loose bound may allow: no group goes to a
         # server older than those of the interrupted run when its checkpoint was taken.
         self.version_floor = version_floor
@@ -112,10 +137,15 @@ class Dispatcher:
         self._filtering = True
         self._stats = self._zero_stats()
         self._blocked_since: float | None = None
+        self._ended = 0  # groups finished, left out or failed since the last cut
+        self._failed = 0  # of those, failed
 
     @staticmethod
     def _zero_stats() -> dict[str, float]:
-        return {"dispatched": 0, "cancelled": 0, "redispatched": 0, "filtered": 0, "blocked": 0.0}
+        return {
+            "dispatched": 0, "cancelled": 0, "redispatched": 0, "retried": 0, "failed": 0, "filtered": 0,
+            "blocked": 0.0,
+        }  # fmt: skip
 
     # ---- the loop ----
 
@@ -123,13 +153,23 @@ class Dispatcher:
         """Forever: send out what there is room for, then wait for something to change."""
         while self.error is None:
             self._reclaim_groups_of_down_servers()
-            while (choice := self._next()) is not None:
-                self._send(*choice)
-            await self.notifier.wait(1.0)
+            while self.error is None and (choice := self._next()) is not None:
+                ticket, server = choice
+                if ticket is None:
+                    # As many as there is room for, drawn at once so that they go out together. The loop runs on
+                    # meanwhile and the room may change: they take their turn among the unsent tickets (counted
+                    # as committed from now on).
+                    count = min(self._groups_with_room(server), self.cfg.max_inflight - len(self.inflight))
+                    self.unsent.extend(await self._draw(count))
+                    continue
+                self._send(ticket, server)
+            backoff = self.unsent[0].retry_at - time.monotonic() if self.unsent else 0.0
+            await self.notifier.wait(backoff if 0 < backoff < 1 else 1.0)
         raise self.error
 
-    def _next(self) -> tuple[GroupTicket, Server] | None:
-        """The next ticket and the server it goes to, or None when there is no room."""
+    def _next(self) -> tuple[GroupTicket | None, Server] | None:
+        """The next ticket and the server it goes to (no ticket: draw a new one), or None when there is no
+        room."""
         blocked = False
         choice = None
         if len(self.inflight) < self.cfg.max_inflight:
@@ -138,10 +178,15 @@ class Dispatcher:
             if server is None:
                 blocked = any(s.up for s in self.pool.servers)  # up, but weights too old for the next batch
                 self.waiting_for_version = oldest_useful if blocked else None
-            elif self.retry:
-                choice = (self.retry.popleft(), server)
-            elif self._has_room(server):
-                choice = (self._draw(), server)
+            elif self.unsent:
+                elsewhere = self.pool.least_loaded(oldest_useful, avoid=self.unsent[0].failed_on)
+                if elsewhere is not None:
+                    choice = (self.unsent.popleft(), elsewhere)
+                elif time.monotonic() >= self.unsent[0].retry_at:
+                    choice = (self.unsent.popleft(), server)
+                # else: it backs off from the only server that serves, and nothing new goes there meanwhile
+            elif self._groups_with_room(server):
+                choice = (None, server)
             else:
                 blocked = True
                 self.waiting_for_version = server.version + 1
@@ -153,23 +198,27 @@ class Dispatcher:
             self.waiting_for_version = None
         return choice
 
-    def _has_room(self, server: Server) -> bool:
-        pending = len(self.inflight) + len(self.retry)
+    def _groups_with_room(self, server: Server) -> int:
+        """How many more groups `server` may take under the bound, counting what is queued, in flight or
+        unsent."""
+        pending = len(self.inflight) + len(self.unsent)
         if self.cfg.batch_tokens is None:
             committed = self.queue.rollouts + pending * self.cfg.group_size
             room = dispatch_room(self.cut, server.version, self.cfg.max_async_level, self.cfg.batch_size, committed)
-            return room >= self.cfg.group_size
-        # By tokens, what is in flight is an estimate (the mean finished group so far); sending while anything
-        # is left keeps a batch from waiting on a too-high estimate.
+            return max(int(room // self.cfg.group_size), 0)
+        # By tokens, what is in flight is an estimate (the mean finished group so far); sending one group while
+        # anything is left keeps a batch from waiting on a too-high estimate.
         estimate = self._mean_group_tokens or 0.0
         committed = self.queue.tokens + pending * estimate
-        return dispatch_room(self.cut, server.version, self.cfg.max_async_level, self.cfg.batch_tokens, committed) > 0
+        room = dispatch_room(self.cut, server.version, self.cfg.max_async_level, self.cfg.batch_tokens, committed)
+        return int(room > 0)
 
-    def _draw(self) -> GroupTicket:
-        [(label, example)] = self.sampler.draw(1)
-        ticket = GroupTicket(self.next_index, label, example, group_seed(self.cfg.seed, self.next_index))
-        self.next_index += 1
-        return ticket
+    async def _draw(self, count: int) -> list[GroupTicket]:
+        tickets = []
+        for label, example in await self.sampler.draw_in_thread(count):
+            tickets.append(GroupTicket(self.next_index, label, example, group_seed(self.cfg.seed, self.next_index)))
+            self.next_index += 1
+        return tickets
 
     def _send(self, ticket: GroupTicket, server: Server) -> None:
         ticket.server, ticket.version, ticket.dispatched_at = server, server.version, time.time()
@@ -186,10 +235,11 @@ class Dispatcher:
             rollouts = await env.rollout_group(
                 ticket.example, self.policy(server).seeded(ticket.seed), self.cfg.group_size
             )
-        except ServerUnavailable as error:
-            self.pool.mark_down(server, str(error))
+            self.pool.request_succeeded(server)
+        except RequestFailed as error:
+            self.pool.request_failed(server, error)
             if self.inflight.get(ticket.index) is ticket:
-                self._resend(ticket)
+                self._request_failed(ticket, error)
         except asyncio.CancelledError:
             pass  # whoever cancelled it has dealt with the ticket
         except Exception as error:  # noqa: BLE001 - anything else is a bug or a broken environment: stop the run
@@ -203,7 +253,35 @@ class Dispatcher:
         if done:
             self._finish(score_group(ticket, rollouts, self.cfg))
 
+    def _request_failed(self, ticket: GroupTicket, error: RequestFailed) -> None:
+        """A request of the group failed: send the group again (the server's fault) or let it fail."""
+        del self.inflight[ticket.index]
+        if isinstance(error, ServerUnavailable) and ticket.attempts + 1 < GROUP_ATTEMPTS:
+            ticket.attempts += 1
+            ticket.failed_on = ticket.server
+            ticket.retry_at = time.monotonic() + min(RETRY_BACKOFF * 2 ** (ticket.attempts - 1), RETRY_BACKOFF_MAX)
+            self.unsent.appendleft(ticket)
+            self._stats["retried"] += 1
+            log.info("group %d sent again after attempt %d failed: %s", ticket.index, ticket.attempts, error)
+            return
+        self._stats["failed"] += 1
+        self._ended += 1
+        self._failed += 1
+        print(
+            f"orchestrator: group {ticket.index} ({ticket.label}, prompt {prompt_preview(ticket.example)}) failed "
+            f"({error.reason}) and is left out: {error}",
+            flush=True,
+        )
+        groups_per_batch = self.cfg.batch_size // self.cfg.group_size
+        if self._failed > self.cfg.max_failed_fraction * max(self._ended, groups_per_batch):
+            self.error = AsyncRLError(
+                f"{self._failed} of the {self._ended} groups that ended since batch {self.cut} was cut failed, more "
+                f"than orchestrator.max_failed_fraction = {self.cfg.max_failed_fraction} of them; the last: {error}"
+            )
+            self.notifier.notify()
+
     def _finish(self, group: ScoredGroup) -> None:
+        self._ended += 1
         tokens = group.num_tokens
         self._mean_group_tokens = (
             tokens if self._mean_group_tokens is None else 0.9 * self._mean_group_tokens + 0.1 * tokens
@@ -224,14 +302,14 @@ class Dispatcher:
     def _resend(self, ticket: GroupTicket) -> None:
         """The ticket's server went down: take the group back, to send it again first."""
         del self.inflight[ticket.index]
-        self.retry.appendleft(ticket)
+        self.unsent.appendleft(ticket)
         self._stats["redispatched"] += 1
 
     def _reclaim_groups_of_down_servers(self) -> None:
         for ticket in [t for t in self.inflight.values() if not t.server.up]:
             self._resend(ticket)
             ticket.task.cancel()
-        self.retry = deque(sorted(self.retry, key=lambda t: t.index))
+        self.unsent = deque(sorted(self.unsent, key=lambda t: t.index))
 
     # ---- the batch loop's side ----
 
@@ -239,6 +317,7 @@ class Dispatcher:
         """Batch `step` was cut: cancel the groups in flight that no later batch may take."""
         self.cut = step
         self._filtering = True
+        self._ended = self._failed = 0
         oldest = min_policy_version(step + 1, self.cfg.max_async_level)
         for ticket in [t for t in self.inflight.values() if t.version < oldest]:
             del self.inflight[ticket.index]
@@ -253,6 +332,8 @@ class Dispatcher:
             "groups/dispatched": stats["dispatched"],
             "groups/cancelled": stats["cancelled"],
             "groups/redispatched": stats["redispatched"],
+            "groups/retried": stats["retried"],
+            "groups/failed": stats["failed"],
             "batch/filtered_groups": stats["filtered"],
             "time/wait_for_weights": stats["blocked"],
             "groups/in_flight": len(self.inflight),
@@ -261,7 +342,7 @@ class Dispatcher:
     def pending(self) -> list[GroupTicket]:
         """Groups drawn but not finished (in flight or waiting to be sent again), oldest first: a checkpoint
         keeps them, so that a resumed run sends them again instead of losing their examples."""
-        return sorted([*self.inflight.values(), *self.retry], key=lambda t: t.index)
+        return sorted([*self.inflight.values(), *self.unsent], key=lambda t: t.index)
 
     def describe(self) -> str:
         """What dispatch is waiting for, for a message that explains a stall."""

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from asyncrl.config.schema import OrchestratorConfig
-from asyncrl.environments import environment_from_config
+from asyncrl.env_server.remote import environment_from_config
 from asyncrl.environments.base import Environment
 from asyncrl.errors import AsyncRLError
 from asyncrl.evals.online import OnlineEvals
@@ -30,6 +30,7 @@ from asyncrl.orchestrator import checkpoint
 from asyncrl.orchestrator.batch import Batch, BatchCutter, batch_metrics
 from asyncrl.orchestrator.client import ServedPolicy
 from asyncrl.orchestrator.dispatcher import Dispatcher, GroupTicket
+from asyncrl.orchestrator.loop_lag import EventLoopLag
 from asyncrl.orchestrator.notify import Notifier
 from asyncrl.orchestrator.packing import pack
 from asyncrl.orchestrator.pool import InferencePool, PooledPolicy
@@ -59,6 +60,7 @@ async def next_batch(
         for task in background:
             if task.done():
                 raise task.exception() or AsyncRLError(f"orchestrator task {task.get_name()} stopped")
+        dispatcher.pool.check_servers()
         if dispatcher.pool.error is not None:
             raise dispatcher.pool.error
         batch = cutter.cut(dispatcher.queue, step)
@@ -72,13 +74,19 @@ async def next_batch(
         await dispatcher.notifier.wait(1.0)
 
 
-def write_batch(batch: Batch, cfg: OrchestratorConfig, pad_token_id: int) -> int:
-    """Pack batch n into rollouts/step_n/rank_R.safetensors, one file per trainer rank; returns its samples."""
-    samples = batch.samples(cfg.sampling.temperature)
-    for rank, micro_batches in enumerate(pack(samples, cfg.seq_len, cfg.num_trainer_ranks, pad_token_id)):
-        path = rollout_files.rank_file(cfg.output_dir, batch.step, rank)
-        rollout_files.write_batch(path, micro_batches, {"step": batch.step})
-    return len(samples)
+async def write_batch(batch: Batch, cfg: OrchestratorConfig, pad_token_id: int) -> int:
+    """Pack batch n into rollouts/step_n/rank_R.safetensors, one file per trainer rank; returns its samples.
+    In a thread: a large batch takes seconds of Python to pack and write, which on the event loop would hold
+    up every episode in flight (groups keep finishing while it is written, none is touched by it)."""
+
+    def pack_and_write() -> int:
+        samples = batch.samples(cfg.sampling.temperature)
+        for rank, micro_batches in enumerate(pack(samples, cfg.seq_len, cfg.num_trainer_ranks, pad_token_id)):
+            path = rollout_files.rank_file(cfg.output_dir, batch.step, rank)
+            rollout_files.write_batch(path, micro_batches, {"step": batch.step})
+        return len(samples)
+
+    return await asyncio.to_thread(pack_and_write)
 
 
 def log_samples(batch: Batch, log: JsonlWriter, count: int, tokenizer) -> None:
@@ -101,8 +109,9 @@ async def orchestrate(cfg: OrchestratorConfig) -> None:
     sampler = EnvironmentSampler(environments, {k: e.weight for k, e in cfg.environments.items()}, cfg.seed)
     notifier = Notifier()
     pool = InferencePool(
-        cfg.inference_urls, cfg.admin_token, cfg.request_timeout, cfg.server_timeout, notifier, cfg.inference_api_key
-    )
+        cfg.inference_urls, cfg.admin_token, cfg.request_timeout, cfg.server_timeout, notifier, cfg.inference_api_key,
+        cfg.server_failures_before_down, cfg.no_server_timeout,
+    )  # fmt: skip
     metrics = MetricsLogger(output_dir, "orchestrator")
     samples_log = JsonlWriter(output_dir / "samples.jsonl")
     background: list[asyncio.Task] = []
@@ -123,14 +132,19 @@ async def orchestrate(cfg: OrchestratorConfig) -> None:
                 )
                 for p in progress.pending
             ]
-        policies = {s.index: ServedPolicy(s.client, tokenizer, cfg.sampling, cfg.seq_len) for s in pool.servers}
+        policies = {
+            s.index: ServedPolicy(s.client, tokenizer, cfg.sampling, cfg.seq_len, cfg.router_replay)
+            for s in pool.servers
+        }
         dispatcher = Dispatcher(
             cfg, pool, environments, sampler, lambda s: policies[s.index], queue, notifier, done, next_group, pending,
             floor,
         )  # fmt: skip
         cutter = BatchCutter(cfg.batch_size, cfg.batch_tokens, cfg.max_async_level)
         evals = OnlineEvals(cfg, PooledPolicy(pool, tokenizer, cfg.sampling, cfg.seq_len), metrics)
+        lag = EventLoopLag()
         background = [
+            asyncio.create_task(lag.run(), name="event loop lag"),
             asyncio.create_task(
                 pool.follow_weights(output_dir, update_source(cfg.weight_transfer, output_dir)), name="weight follower"
             ),
@@ -143,7 +157,7 @@ async def orchestrate(cfg: OrchestratorConfig) -> None:
             batch = await next_batch(step, cutter, dispatcher, background, cfg.wait_timeout)
             cut_at = time.time()
             dispatcher.batch_cut(step)
-            num_samples = write_batch(batch, cfg, tokenizer.pad_token_id or 0)
+            num_samples = await write_batch(batch, cfg, tokenizer.pad_token_id or 0)
 
             pool_stats = pool.take_stats()
             generated = sum(
@@ -154,6 +168,7 @@ async def orchestrate(cfg: OrchestratorConfig) -> None:
                 **batch_metrics(batch, num_samples),
                 **dispatcher.take_stats(),
                 **pool_stats,
+                **lag.take_stats(),
                 "queue/rollouts": queue.rollouts,
                 "queue/groups": len(queue),
                 "policy_version": pool_stats["pool/oldest_version"],
@@ -164,7 +179,7 @@ async def orchestrate(cfg: OrchestratorConfig) -> None:
                 "timestamp/generate_end": cut_at,
             }
             metrics.log(step, record)
-            log_samples(batch, samples_log, cfg.samples_per_step, tokenizer)
+            await asyncio.to_thread(log_samples, batch, samples_log, cfg.samples_per_step, tokenizer)
             sampled = [r for r in batch.rollouts if r.policy_versions] or batch.rollouts
             print(
                 f"orchestrator: step {step} reward {record['reward/mean']:.3f} from {len(batch.groups)} groups "
@@ -182,17 +197,14 @@ async def orchestrate(cfg: OrchestratorConfig) -> None:
                     "time_limit too small), so the trainer would learn nothing; raise seq_len"
                 )
             if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
-                checkpoint.save(
-                    output_dir,
-                    checkpoint.OrchestratorProgress(
-                        step,
-                        record["policy_version"],
-                        sampler.state_dict(),
-                        dispatcher.next_index,
-                        [checkpoint.pending_group(t.index, t.label, t.example) for t in dispatcher.pending()],
-                        [checkpoint.encode_group(g) for g in queue],
-                    ),
+                saved = checkpoint.OrchestratorProgress(
+                    step,
+                    record["policy_version"],
+                    sampler.state_dict(),
+                    dispatcher.next_index,
+                    [checkpoint.pending_group(t.index, t.label, t.example) for t in dispatcher.pending()],
                 )
+                await asyncio.to_thread(checkpoint.save, output_dir, saved, list(queue))
         await evals.finish(cfg.wait_timeout)
     finally:
         groups = [t.task for t in dispatcher.inflight.values()] if dispatcher is not None else []

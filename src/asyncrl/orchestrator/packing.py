@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from asyncrl.transport.rollouts import MicroBatch
+from asyncrl.transport.routing import unrecorded
 
 
 @dataclass
@@ -22,6 +24,7 @@ class Sample:
     advantage: float
     inference_logprobs: list[float]
     temperature: float
+    routed_experts: np.ndarray | None = None  # int16 [tokens, MoE layers, k] (router replay)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -33,6 +36,7 @@ class Sample:
             self.advantage,
             self.inference_logprobs[:seq_len],
             self.temperature,
+            self.routed_experts[:seq_len] if self.routed_experts is not None else None,
         )
 
 
@@ -64,7 +68,17 @@ def to_micro_batch(samples: list[Sample]) -> MicroBatch:
         inference_logprobs=cat([lp for s in samples for lp in s.inference_logprobs], torch.float32),
         temperature=cat([s.temperature for s in samples for _ in s.input_ids], torch.float32),
         sample_lengths=cat([len(s) for s in samples], torch.int64),
+        routed_experts=routed_experts(samples),
     )
+
+
+def routed_experts(samples: list[Sample]) -> torch.Tensor | None:
+    """The row's routing (-1 for samples that carry none), or None when no sample carries any."""
+    known = next((s.routed_experts for s in samples if s.routed_experts is not None), None)
+    if known is None:
+        return None
+    parts = [s.routed_experts if s.routed_experts is not None else unrecorded(len(s), known) for s in samples]
+    return torch.from_numpy(np.concatenate(parts))
 
 
 def padding_micro_batch(pad_token_id: int) -> MicroBatch:

@@ -13,6 +13,7 @@ skips each stream to that point, after which it draws exactly what the saved sam
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 from asyncrl.environments.base import Environment, Example
@@ -26,18 +27,34 @@ class EnvironmentSampler:
         self.streams: dict[str, Iterator[Example]] = {label: env.examples(seed) for label, env in environments.items()}
         self.drawn = dict.fromkeys(environments, 0)
 
-    def next_label(self) -> str:
-        total = sum(self.drawn.values()) + 1
-        return max(self.environments, key=lambda label: self.shares[label] * total - self.drawn[label])
+    def labels(self, groups: int) -> list[str]:
+        """The environments of the next `groups` groups."""
+        drawn, labels = dict(self.drawn), []
+        for _ in range(groups):
+            total = sum(drawn.values()) + 1
+            label = max(self.environments, key=lambda label: self.shares[label] * total - drawn[label])
+            drawn[label] += 1
+            labels.append(label)
+        return labels
 
     def draw(self, groups: int) -> list[tuple[str, Example]]:
         """The next `groups` (environment label, example) pairs."""
         drawn = []
-        for _ in range(groups):
-            label = self.next_label()
+        for label in self.labels(groups):
             drawn.append((label, self._next(label)))
             self.drawn[label] += 1
         return drawn
+
+    async def draw_in_thread(self, groups: int) -> list[tuple[str, Example]]:
+        """`draw(groups)`, the streams read in a thread: a stream may wait on an env-server's answer or a file,
+        and the dispatcher draws on the event loop. One call at a time. The counts move only once the examples
+        are here, so a checkpoint taken meanwhile holds the streams before them, and a run resumed from it
+        draws them again rather than losing them."""
+        labels = self.labels(groups)
+        examples = await asyncio.to_thread(lambda: [self._next(label) for label in labels])
+        for label in labels:
+            self.drawn[label] += 1
+        return list(zip(labels, examples))
 
     def _next(self, label: str) -> Example:
         example = next(self.streams[label], None)

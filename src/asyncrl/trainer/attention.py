@@ -281,11 +281,21 @@ def varlen_document_attention(query, key, value, documents: Documents, scaling: 
     return out[None]
 
 
+def uses_document_attention(model: torch.nn.Module) -> bool:
+    """Whether the model attends with `document_attention`: ours once the trainer prepared it (also inside the
+    context-parallel exchange, `models/context_parallel.py`), or a transformers model loaded with
+    `DOCUMENT_ATTENTION`."""
+    attention = getattr(model, "attention", None)
+    return (
+        attention is not None and inspect.unwrap(attention) is document_attention
+    ) or model.config._attn_implementation == DOCUMENT_ATTENTION
+
+
 def attention_kwargs(model: PreTrainedModel, position_ids: torch.Tensor) -> dict:
-    """Extra forward arguments for one packed row: its document boundaries when the model runs
-    `DOCUMENT_ATTENTION` (with the kernels `prepare_model` chose for it); none otherwise (transformers then
-    masks from `position_ids` itself)."""
-    if model.config._attn_implementation != DOCUMENT_ATTENTION:
+    """Extra forward arguments for one packed row: its document boundaries when the model runs document
+    attention (with the kernels `prepare_model` chose for it); none otherwise (transformers then masks from
+    `position_ids` itself)."""
+    if not uses_document_attention(model):
         return {}
     return {"documents": Documents.from_position_ids(position_ids, getattr(model, "attention_kernels", None))}
 

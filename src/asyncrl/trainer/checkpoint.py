@@ -34,6 +34,8 @@ PART = "trainer"
 class TrainerProgress:
     step: int  # the last finished step; training continues at step + 1
     examples_drawn: int = 0  # SFT: examples taken from the training stream so far
+    answer_tokens: int = 0  # SFT: answer (loss) tokens trained on so far, all ranks
+    total_tokens: int = 0  # SFT: tokens of the rows trained on so far, all ranks
 
 
 def save(

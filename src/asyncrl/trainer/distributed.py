@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -40,11 +41,6 @@ def init_distributed(device: str, num_threads: int, seed: int) -> World:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch_device = resolve_device(device, local_rank)
     if torch_device.type == "cuda":
-        if local_rank >= torch.cuda.device_count():
-            raise AsyncRLError(
-                f"rank {rank} needs cuda:{local_rank} but torch sees {torch.cuda.device_count()} GPU(s) "
-                "(start fewer trainer ranks or set device = 'cpu')"
-            )
         torch.cuda.set_device(torch_device)
     # 0: this rank's share of the machine's cores, not torch's default of all of them in every rank.
     torch.set_num_threads(num_threads or threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
@@ -86,6 +82,15 @@ def check_same_count(count: int, what: str, device: torch.device) -> None:
         )
 
 
-def close_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def close_distributed(timeout_s: float = 60.0) -> None:
+    """Leave the process group. On gloo every rank first meets the others (at most `timeout_s`): a rank that
+    tears its connections down while a peer still works on its last collective can abort that peer's
+    process at exit ("terminate called without an active exception")."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=timeout_s))
+        except RuntimeError:
+            pass  # a peer died or stalled: leave anyway, its own error says why
+    dist.destroy_process_group()

@@ -13,13 +13,18 @@ the previous sample); the loss mask excludes both.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from asyncrl.errors import AsyncRLError
+from asyncrl.models.context_parallel import ContextParallel, gather_slices
 from asyncrl.trainer.attention import attention_kwargs
+from asyncrl.trainer.routing import RowRouting, row_routing
 
 
 class HiddenStatesHead(nn.Module):
@@ -176,6 +181,129 @@ def token_logprobs(
     return torch.cat([zero, logprobs]), torch.cat([zero, entropy])
 
 
+class RowLogprobs(NamedTuple):
+    logprobs: torch.Tensor  # [T] float32
+    entropy: torch.Tensor  # [T] float32
+    routing: RowRouting | None  # the row's routing (trainer/routing.py); None for dense models
+
+
+def row_logprobs(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    temperature: torch.Tensor | float = 1.0,
+    chunk_size: int = 2048,
+    with_entropy: bool = True,
+    compiled: bool = False,
+    routed_experts: torch.Tensor | None = None,
+) -> RowLogprobs:
+    """Forward one packed row ([T] ids, positions restarting at 0 per sample) of a model whose LM head was
+    deferred (`defer_lm_head`); returns its per-token logprobs and entropies, and for a mixture-of-experts
+    model of ours its routing summaries. `routed_experts` [T, MoE layers, k]: the experts to route each
+    token to (router replay; -1 where none was recorded). With context parallelism (`sliced_row_logprobs`)
+    every rank of the group returns the whole row's streams.
+
+    The model is called as a whole, never `model.model` alone: under FSDP2 the root module's forward hook
+    is what gathers the embeddings, final norm and LM head, and it leaves them gathered for the backward,
+    so `lm_head.weight` below is the full (unsharded) weight.
+    """
+    cp = getattr(model, "context_parallel", None)
+    if cp is not None:
+        return sliced_row_logprobs(
+            model, cp, input_ids, position_ids, temperature, chunk_size, with_entropy, compiled, routed_experts
+        )
+    output = forward_hidden(model, input_ids, position_ids, position_ids, routed_experts)
+    logprobs, entropy = chunked_token_logprobs(
+        output.logits[0], lm_head_weight(model), input_ids, temperature, chunk_size, with_entropy, compiled
+    )
+    return RowLogprobs(logprobs, entropy, routing_of(output))
+
+
+def forward_hidden(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    row_position_ids: torch.Tensor,
+    routed_experts: torch.Tensor | None,
+    routing_mask: torch.Tensor | None = None,
+):
+    """The model's output (final hidden states as `.logits`) for `input_ids` at `position_ids`, attending as
+    the documents of `row_position_ids` (the whole row's; the same tensor but with context parallelism);
+    `routing_mask`: the tokens its routing summaries count (context parallelism: not the padding)."""
+    extra = {} if routed_experts is None else {"routed_experts": routed_experts}
+    if routing_mask is not None:
+        extra["routing_mask"] = routing_mask
+    # use_cache=False: only then does transformers keep packed samples apart.
+    return model(
+        input_ids=input_ids[None],
+        position_ids=position_ids[None],
+        use_cache=False,
+        **extra,
+        **attention_kwargs(model, row_position_ids),
+    )
+
+
+def routing_of(output, cp: ContextParallel | None = None) -> RowRouting | None:
+    """The row's routing from a forward's summaries (a mixture-of-experts model of ours), else None."""
+    summary = getattr(output, "routing", None)
+    return None if summary is None else row_routing(summary, cp)
+
+
+def lm_head_weight(model: PreTrainedModel) -> torch.Tensor:
+    weight = model.get_output_embeddings().weight
+    if isinstance(weight, DTensor):
+        raise AsyncRLError("the LM head weight is still sharded after the forward (FSDP2 resharded the root module)")
+    return weight
+
+
+def sliced_row_logprobs(
+    model: PreTrainedModel,
+    cp: ContextParallel,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    temperature: torch.Tensor | float,
+    chunk_size: int,
+    with_entropy: bool,
+    compiled: bool,
+    routed_experts: torch.Tensor | None,
+) -> RowLogprobs:
+    """`row_logprobs` on one rank of a context-parallel group: every rank of it holds the same row and runs the
+    model on its own contiguous slice (rotary positions from the row's `position_ids`, attention over the
+    whole row's documents). The row is padded to a multiple of the group's size with a document of its own
+    after the row's last, which causal document attention keeps from every real token.
+
+    The logits at position t predict token t + 1, so the targets are shifted over the whole row before it is
+    sliced: each rank scores the targets of its own positions, the first token of the next rank's slice
+    included, and no hidden state crosses a slice boundary. The slices' logprobs and entropies are then
+    gathered, so every rank of the group computes the same whole-row loss; the gradient flows back through
+    each rank's own slice (`gather_slices`)."""
+    tokens = input_ids.numel()
+    padding = cp.padded(tokens) - tokens
+    own = cp.own(tokens)
+    row_positions = torch.cat([position_ids, torch.arange(padding, device=position_ids.device)])
+    padded_ids = F.pad(input_ids, (0, padding))
+    targets = F.pad(padded_ids[1:], (0, 1))  # targets[t] = token t + 1; the last position predicts nothing
+    temperature = torch.as_tensor(temperature, dtype=torch.float32, device=input_ids.device)
+    inv_temperature = F.pad((1.0 / temperature).expand(input_ids.shape)[1:], (0, padding + 1), value=1.0)
+    replay = None
+    if routed_experts is not None:
+        replay = F.pad(routed_experts, (0, 0, 0, 0, 0, padding), value=-1)[own]
+    real = torch.arange(own.start, own.stop, device=input_ids.device) < tokens
+    output = forward_hidden(model, padded_ids[own], row_positions[own], row_positions, replay, real)
+    logprobs, entropy = _ChunkedLogprobs.apply(
+        output.logits[0],
+        lm_head_weight(model),
+        targets[own],
+        inv_temperature[own].contiguous(),
+        chunk_size,
+        with_entropy,
+        compiled,
+    )
+    row = gather_slices(torch.stack([logprobs, entropy]), cp)[:, : tokens - 1]  # [2, T - 1]: tokens 1 .. T - 1
+    row = F.pad(row, (1, 0))  # token 0 has no logprob (module docstring)
+    return RowLogprobs(row[0], row[1], routing_of(output, cp))
+
+
 def compute_logprobs(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
@@ -185,21 +313,6 @@ def compute_logprobs(
     with_entropy: bool = True,
     compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward one packed row ([T] ids, positions restarting at 0 per sample) of a model whose LM head was
-    deferred (`defer_lm_head`); returns its per-token logprobs and entropies.
-
-    The model is called as a whole, never `model.model` alone: under FSDP2 the root module's forward hook
-    is what gathers the embeddings, final norm and LM head, and it leaves them gathered for the backward,
-    so `lm_head.weight` below is the full (unsharded) weight.
-    """
-    # use_cache=False: only then does transformers keep packed samples apart.
-    output = model(
-        input_ids=input_ids[None],
-        position_ids=position_ids[None],
-        use_cache=False,
-        **attention_kwargs(model, position_ids),
-    )
-    weight = model.get_output_embeddings().weight
-    if isinstance(weight, DTensor):
-        raise AsyncRLError("the LM head weight is still sharded after the forward (FSDP2 resharded the root module)")
-    return chunked_token_logprobs(output.logits[0], weight, input_ids, temperature, chunk_size, with_entropy, compiled)
+    """`row_logprobs` without the routing: per-token logprobs and entropies."""
+    row = row_logprobs(model, input_ids, position_ids, temperature, chunk_size, with_entropy, compiled)
+    return row.logprobs, row.entropy

@@ -1,6 +1,9 @@
 """LoRA (peft) on the trained model: only low-rank adapters train, and only they are published.
 
 `apply_lora` wraps the plain model before FSDP2 sharding, so the adapters shard with the unit around them.
+A mixture of experts' routed experts are no linear layers peft could wrap: with `model.lora.experts` each
+experts module gets adapters of its own (`models/moe.py`, `Experts.add_lora`), published in peft's layout for
+the checkpoint's one module per expert (`split_expert_adapters`).
 Inference never sees peft: a published adapter folder (transport/weights.py) is merged into the base
 weights when it is loaded, W' = W + (alpha / rank) · B @ A, and served like any state dict.
 peft is imported only where LoRA is on: runs without LoRA neither need it nor pay for its import.
@@ -8,7 +11,10 @@ peft is imported only where LoRA is on: runs without LoRA neither need it nor pa
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,6 +23,8 @@ from transformers import PreTrainedModel
 
 from asyncrl.config.schema import LoRAConfig
 from asyncrl.errors import AsyncRLError
+from asyncrl.models.moe import Experts, split_expert_adapters
+from asyncrl.models.transformer import CausalLM
 from asyncrl.transport import weights
 
 if TYPE_CHECKING:
@@ -33,6 +41,25 @@ def apply_lora(model: PreTrainedModel, cfg: LoRAConfig | None) -> PreTrainedMode
     from peft import LoraConfig, get_peft_model
 
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    if not isinstance(model, CausalLM) and any(p.dim() == 3 for p in model.parameters()):
+        raise AsyncRLError(
+            f"LoRA on {type(model).__name__}, a mixture of experts, needs model.impl = 'native' (peft rewrites "
+            "transformers' expert layers into adapters of its own layout, which published weights cannot carry)"
+        )
+    experts = [module for module in model.modules() if isinstance(module, Experts)]
+    routed = {"gate_proj", "up_proj", "down_proj"} & set(cfg.target_modules)
+    if cfg.experts:
+        if not experts:
+            raise AsyncRLError(
+                "model.lora.experts adapts routed experts: it needs a mixture-of-experts model and "
+                "model.impl = 'native'"
+            )
+        if not routed:
+            raise AsyncRLError("model.lora.experts: target_modules names none of gate_proj, up_proj, down_proj")
+        for module in experts:
+            module.add_lora(cfg.rank, cfg.alpha, tuple(sorted(routed)))
+    if experts:  # the routed experts' projections are no modules; in a model of experts only, none is
+        present |= routed
     missing = sorted(set(cfg.target_modules) - present)
     if missing:
         raise AsyncRLError(
@@ -43,10 +70,32 @@ def apply_lora(model: PreTrainedModel, cfg: LoRAConfig | None) -> PreTrainedMode
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules)
     )
     base = model.name_or_path
-    model = get_peft_model(model, peft_config)
+    with hidden_model_type(model):
+        model = get_peft_model(model, peft_config)
+    for module in experts:  # peft froze everything that is not its own
+        for name in module.lora_projections:
+            getattr(module, f"lora_{name}_A").requires_grad_(True)
+            getattr(module, f"lora_{name}_B").requires_grad_(True)
     # The adapter folder points at the base model; a relative path would break from another directory.
     model.peft_config["default"].base_model_name_or_path = str(Path(base).resolve()) if Path(base).is_dir() else base
     return model
+
+
+@contextmanager
+def hidden_model_type(model: torch.nn.Module) -> Iterator[None]:
+    """peft rewrites the targets of a model whose config names a transformers v5 mixture of experts: the
+    experts' projections become adapters of its own on the fused expert tensors, and the dense and shared
+    layers named like them lose theirs. Ours adapts its experts itself (`Experts.add_lora`): while peft wraps
+    it, its config names no model type, so peft takes it for the plain module it is."""
+    if not isinstance(model, CausalLM):
+        yield
+        return
+    config = model.config
+    model.config = SimpleNamespace(**{k: v for k, v in config.to_dict().items() if k != "model_type"})
+    try:
+        yield
+    finally:
+        model.config = config
 
 
 def is_lora(model: torch.nn.Module) -> bool:
@@ -70,7 +119,10 @@ def adapter_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
     state_dict = get_model_state_dict(model, options=options)
     if not state_dict:
         return {}
-    return get_peft_model_state_dict(model, state_dict=state_dict)
+    # The experts' own adapters are no peft layers: peft's function would drop them.
+    experts = {name: tensor for name, tensor in state_dict.items() if ".mlp.experts.lora_" in name}
+    others = {name: tensor for name, tensor in state_dict.items() if name not in experts}
+    return {**get_peft_model_state_dict(model, state_dict=others), **split_expert_adapters(experts)}
 
 
 def merged_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:

@@ -7,12 +7,12 @@ it is never a loss token.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from asyncrl.config.custom_loss import import_loss
 from asyncrl.config.schema import LossConfig
 
 
@@ -97,21 +97,6 @@ def gspo_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[s
 
 
 BUILT_IN: dict[str, LossFunction] = {"default": default_loss, "ppo_clip": ppo_clip_loss, "gspo": gspo_loss}
-
-
-def import_loss(path: str) -> LossFunction:
-    """The function named by 'module:function' (loss.custom); a bad path is one clear error."""
-    module_name, _, function_name = path.partition(":")
-    if not module_name or not function_name:
-        raise ValueError(f"loss.custom = {path!r} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"loss.custom = {path!r}: cannot import {module_name!r} ({error})") from None
-    function = getattr(module, function_name, None)
-    if not callable(function):
-        raise ValueError(f"loss.custom = {path!r}: {module_name!r} has no function {function_name!r}")
-    return function
 
 
 def rl_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

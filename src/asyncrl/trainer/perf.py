@@ -4,8 +4,9 @@ MFU counts the FLOPs the model needs, not those the step spends:
 
     FLOPs of a row = 6 x N x tokens + 12 x layers x query heads x head_dim x sum over its documents of n(n+1)/2
 
-N is the parameters that multiply activations (all of them but an input embedding that is only looked up; a
-tied embedding is the LM head's weight and counts once): 2N per token forward, 4N backward. Attention takes
+N is the parameters that multiply a token's activations (all of them but an input embedding that is only
+looked up; a tied embedding is the LM head's weight and counts once; of routed experts, the top k of E a token
+goes through): 2N per token forward, 4N backward. Attention takes
 two matrix products of 2 x head_dim FLOPs per (query, key) pair and query head forward and twice that
 backward, 12 x head_dim in all, over the pairs inside each document's causal triangle. Recomputation
 (activation checkpointing, attention kernels' own) is not counted. MFU = FLOPs of a step / step time /
@@ -36,11 +37,19 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def matmul_params(model: PreTrainedModel) -> int:
-    """Parameters that multiply activations: all of them but an input embedding that is only looked up (a tied
-    embedding is the LM head's weight, so it counts once)."""
+    """Parameters that multiply each token's activations: all of them but an input embedding that is only looked
+    up (a tied embedding is the LM head's weight, so it counts once), and of a mixture of experts' routed experts
+    only the share a token goes through (top k of E: `num_experts_per_tok` / the experts' count)."""
     total = sum(p.numel() for p in model.parameters())
     embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    return total if embedding is head else total - embedding.numel()
+    active = total if embedding is head else total - embedding.numel()
+    top_k = getattr(model.config, "num_experts_per_tok", None)
+    for module in model.modules():
+        experts = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if top_k and all(isinstance(p, torch.nn.Parameter) and p.dim() == 3 for p in experts):
+            routed = sum(p.numel() for p in experts)
+            active -= routed - routed * top_k // experts[0].shape[0]
+    return active
 
 
 def training_flops(model: PreTrainedModel, document_lengths: list[int]) -> float:

@@ -29,6 +29,7 @@ from asyncrl.environments.base import Messages
 from asyncrl.errors import AsyncRLError
 from asyncrl.loading import load_tokenizer
 from asyncrl.metrics import MetricsLogger
+from asyncrl.models.checkpoint import checkpoint_state_dict
 from asyncrl.preflight import check_output_dir
 from asyncrl.progress import ProgressBar, Throughput, timed
 from asyncrl.run_lock import RunLock
@@ -36,7 +37,7 @@ from asyncrl.trackers import Trackers
 from asyncrl.trainer import checkpoint
 from asyncrl.trainer.checkpoint import TrainerProgress
 from asyncrl.trainer.distributed import World, all_reduce_sum, close_distributed, init_distributed, max_over_ranks
-from asyncrl.trainer.logprobs import compute_logprobs
+from asyncrl.trainer.logprobs import compute_logprobs, row_logprobs
 from asyncrl.trainer.lora import is_lora, merged_state_dict
 from asyncrl.trainer.model import (
     clip_grad_norm,
@@ -46,6 +47,7 @@ from asyncrl.trainer.model import (
     set_learning_rate,
     setup_model,
 )
+from asyncrl.trainer.routing import RoutingMetrics, balance_loss
 from asyncrl.trainer.schedule import learning_rate
 from asyncrl.trainer.sft_data import Chat, load_sft_data
 from asyncrl.transport.weights import save_model_folder
@@ -53,6 +55,28 @@ from asyncrl.transport.weights import save_model_folder
 END_OF_TURN = "<|im_end|>"
 # Steps in a row without an answer token before SFT stops: nothing can be learned from them.
 EMPTY_STEPS_LIMIT = 3
+# A loss that has not set a new low (by 1%) for this many steps is said to have sat flat, once per plateau.
+FLAT_STEPS = 200
+
+
+class PlateauWatch:
+    """Says, once per plateau, that the loss has not fallen for FLAT_STEPS steps: a learning rate too low
+    or too high, or data with nothing left to learn, otherwise goes unnoticed in a long run."""
+
+    def __init__(self, start_step: int):
+        self.best, self.best_step, self.warned = float("inf"), start_step, False
+
+    def add(self, step: int, loss: float) -> str | None:
+        if loss < self.best * 0.99:
+            self.best, self.best_step, self.warned = loss, step, False
+            return None
+        if self.warned or step - self.best_step < FLAT_STEPS:
+            return None
+        self.warned = True
+        return (
+            f"sft: the loss has not fallen for {step - self.best_step} steps (lowest {self.best:.4g} at step "
+            f"{self.best_step}, now {loss:.4g}): check optim.lr and the data"
+        )
 
 
 @dataclass
@@ -167,7 +191,10 @@ def eval_loss(model: torch.nn.Module, rows: list[PackedRow], device: torch.devic
 def save_model(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, folder: Path, world: World) -> None:
     """A complete Hugging Face model folder (with LoRA: the base model with the adapter merged in).
     Collectives: every rank takes part."""
-    state_dict = merged_state_dict(model) if is_lora(model) else full_state_dict(model)
+    if is_lora(model):
+        state_dict = merged_state_dict(model)  # the base model's own layout
+    else:
+        state_dict = checkpoint_state_dict(model.config, full_state_dict(model))
     if world.is_main:
         saved = save_model_folder(folder, state_dict, model.config, tokenizer, model.generation_config)
         print(f"sft: saved {saved}", flush=True)
@@ -183,7 +210,7 @@ def train_sft(cfg: SFTConfig) -> int:
         tokenizer = load_tokenizer(cfg.model.name)
         with timed(f"sft: loading {cfg.model.name}", shown=world.is_main):
             model = setup_model(cfg.model, world.device, cfg.perf)
-            model = parallelize(model, world.world_size, world.device, cfg.model.dtype, cfg.perf)
+            model = parallelize(model, world.world_size, world.device, cfg.model.dtype, cfg.perf, cfg.ep)
         optimizer = make_optimizer(model, cfg.optim)
         # Every rank draws the same stream. The held-out split is its first examples.
         data = load_sft_data(cfg.data, cfg.seed, cfg.eval.size)
@@ -224,6 +251,7 @@ def train_sft(cfg: SFTConfig) -> int:
         save_seconds = None  # the last checkpoint save's time: the next one's ETA
 
         empty = 0  # steps in a row without an answer token
+        plateau = PlateauWatch(progress.step)
         for step in range(progress.step + 1, max_steps + 1):
             step_start = time.time()
             batch = list(islice(examples, cfg.data.batch_size))
@@ -235,13 +263,17 @@ def train_sft(cfg: SFTConfig) -> int:
                         flush=True,
                     )
                 break
-            progress = TrainerProgress(step, progress.examples_drawn + len(batch))
             rows = rank_rows(batch, tokenizer, cfg.seq_len, world, pad_token_id, loss_on)
-
             local = torch.tensor(
                 [sum(int(r.loss_mask.sum()) for r in rows), sum(r.input_ids.numel() for r in rows)], device=world.device
             )
             answer_tokens, total_tokens = (int(v) for v in all_reduce_sum(local))
+            progress = TrainerProgress(  # the token counts are the run's, carried over a resume by the checkpoint
+                step,
+                progress.examples_drawn + len(batch),
+                progress.answer_tokens + answer_tokens,
+                progress.total_tokens + total_tokens,
+            )
             empty = 0 if answer_tokens else empty + 1
             if empty == EMPTY_STEPS_LIMIT:
                 raise AsyncRLError(
@@ -251,10 +283,11 @@ def train_sft(cfg: SFTConfig) -> int:
                 )
             lr = set_learning_rate(optimizer, learning_rate(step, cfg.optim, max_steps))
             loss_sum = torch.zeros((), device=world.device)
+            routing = RoutingMetrics(model, world.device)
             for row in rows:
                 input_ids, mask = row.input_ids.to(world.device), row.loss_mask.to(world.device)
                 position_ids = row.position_ids.to(world.device)
-                logprobs, _ = compute_logprobs(
+                row_out = row_logprobs(
                     model,
                     input_ids,
                     position_ids,
@@ -262,9 +295,13 @@ def train_sft(cfg: SFTConfig) -> int:
                     with_entropy=False,
                     compiled=cfg.perf.compile,
                 )
+                logprobs, row_routing = row_out.logprobs, row_out.routing
                 loss = -torch.where(mask, logprobs, 0.0).sum() / max(answer_tokens, 1)
+                if row_routing is not None:
+                    loss = loss + balance_loss(row_routing, cfg.router_aux_coef, total_tokens)
                 loss.backward()
                 loss_sum += loss.detach()
+                routing.add(row_routing)
             grad_norm = clip_grad_norm(model, cfg.optim.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -274,13 +311,20 @@ def train_sft(cfg: SFTConfig) -> int:
             tokens_per_s = throughput.add(total_tokens, time.time() - step_start)
             bar.advance(info=f"loss {loss:.4f}  {tokens_per_s:.0f} tok/s")
             metrics = {}
+            routing_metrics = routing.metrics()  # a collective: every step, on every rank
             if step % cfg.log_interval == 0:
                 metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "perf/tokens_per_s": tokens_per_s}
+                metrics.update(routing_metrics)
+                metrics.update({"tokens/answer": progress.answer_tokens, "tokens/total": progress.total_tokens})
             if eval_rows and (step % cfg.eval.interval == 0 or step == max_steps):
                 metrics["eval/loss"] = eval_loss(model, eval_rows, world.device, cfg.perf.logprob_chunk_size)
             if world.is_main and metrics:
                 logger.log(step, metrics)
-                print(f"step {step} | " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()), flush=True)
+                shown = {k: v for k, v in metrics.items() if "/layer_" not in k}  # per-layer ones: metrics.jsonl
+                print(f"step {step} | " + " | ".join(f"{k} {v:.4g}" for k, v in shown.items()), flush=True)
+            flat = plateau.add(step, loss)
+            if flat and world.is_main:
+                print(f"warning: {flat}", flush=True)
             if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
                 save_start = time.monotonic()
                 with timed(f"sft: saving checkpoint step {step}", save_seconds, shown=world.is_main):
@@ -292,6 +336,12 @@ def train_sft(cfg: SFTConfig) -> int:
                 save_model(model, tokenizer, cfg.output_dir / "weights" / f"step_{step}", world)
 
         save_model(model, tokenizer, cfg.output_dir / "final", world)
+        if world.is_main:
+            print(
+                f"sft: trained {progress.step} steps, {progress.answer_tokens:,} answer tokens "
+                f"({progress.total_tokens:,} tokens in all)",
+                flush=True,
+            )
         return 0
     finally:
         if bar is not None:

@@ -1,5 +1,5 @@
-"""How new weights travel from the trainer to inference: one strategy object per side, chosen by
-`weight_transfer.mode` here and nowhere else.
+"""How new weights travel from the trainer to inference: one strategy object per side, chosen here from what
+the mode is (config/transfer_mode.py, which the launcher, the clusters, the schema and the backends ask too).
 
     side           filesystem (default)                       broadcast
     trainer        write weights/step_N, then STABLE, in a     send to every server, then STABLE alone
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from asyncrl.config.schema import WeightTransferConfig
+from asyncrl.config.transfer_mode import transfer_mode
 from asyncrl.errors import AsyncRLError
 from asyncrl.transport import weights
 from asyncrl.transport.broadcast import WeightReceiver, WeightSender
@@ -145,7 +146,7 @@ def make_publisher(
 ) -> FolderPublisher:
     """The trainer's publisher. Every rank gets one (they gather together); only rank 0's sends or writes,
     and only rank 0 joins the broadcast group. `keep`: the newest versions kept on disk (None: all)."""
-    if cfg.mode == "broadcast":
+    if transfer_mode(cfg.mode).group:
         if not is_main:
             publisher = FolderPublisher(output_dir, dtype)
             publisher.gather_on_device = publisher.resend_on_resume = True  # as rank 0's: gathering is collective
@@ -186,12 +187,12 @@ class BroadcastSource(FolderSource):
 
 
 def make_source(cfg: WeightTransferConfig, device: torch.device) -> FolderSource:
-    return BroadcastSource(cfg, device) if cfg.mode == "broadcast" else FolderSource()
+    return BroadcastSource(cfg, device) if transfer_mode(cfg.mode).group else FolderSource()
 
 
 def update_source(cfg: WeightTransferConfig, output_dir: Path) -> Callable[[int], Path | None]:
     """Orchestrator side: what a server is told to load version N from — its published folder, or nothing,
     when the folder holds only the STABLE marker and the weights came by broadcast."""
-    if cfg.mode == "broadcast":
+    if not transfer_mode(cfg.mode).folders:
         return lambda version: None
     return lambda version: weights.weights_dir(output_dir, version)

@@ -1,0 +1,111 @@
+"""The parts of the plan model read from a finished `asyncrl rl` run of the user's own config.
+
+Steady steps only (the first `skip` are start-up). Rates are ratios of sums over those steps; the
+handoffs are medians:
+
+- engine tokens/s per replica: completion tokens of the batches / the servers' busy seconds
+  (`perf/server/<i>/tokens_per_s` x `time/step` over `(1 - perf/server/<i>/idle)` x `time/step`);
+- trainer tokens/s per rank: `batch/tokens` / (`time/forward_backward` + `time/optimizer`) / ranks, so
+  the rate is per batch token (rows that dynamic sampling or zero advantages leave out still count);
+- publish: `time/publish` (the trainer held), and W = when the inference log says "policy version N live"
+  minus the trainer's `timestamp/train_end` of step N;
+- D = the trainer's `timestamp/train_start` minus the orchestrator's `timestamp/generate_end`.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+import tomllib
+from pathlib import Path
+
+from asyncrl.errors import AsyncRLError
+from asyncrl.metrics import read_jsonl
+from asyncrl.plan.model import Parts, Publish
+
+LIVE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*policy version (\d+) live")
+
+
+def live_times(log_dir: Path) -> dict[int, float]:
+    """Unix time each policy version first went live on a server, from the inference logs (local time)."""
+    found: dict[int, float] = {}
+    for log in sorted(log_dir.glob("inference*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if match := LIVE.match(line):
+                when = time.mktime(time.strptime(match[1], "%Y-%m-%d %H:%M:%S")) + int(match[2]) / 1000
+                found.setdefault(int(match[3]), when)
+    return found
+
+
+def measured_step_s(run_dir: Path, skip: int = 2) -> float:
+    """Wall seconds per steady step, from the trainer's `timestamp/train_end`: steadier than the median of
+    `time/step`, which at max_async_level >= 1 alternates between steps that wait and steps that do not."""
+    ends = [t["timestamp/train_end"] for t in _steady(run_dir, skip)[1].values()]
+    return (ends[-1] - ends[0]) / (len(ends) - 1)
+
+
+def _steady(run_dir: Path, skip: int) -> tuple[dict[int, dict], dict[int, dict]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        raise AsyncRLError(f"'{run_dir}' has no metrics.jsonl (give the output_dir of a finished `asyncrl rl` run)")
+    rows = read_jsonl(path)
+    orchestrator = {r["step"]: r for r in rows if r["source"] == "orchestrator" and "batch/tokens" in r}
+    trainer = {r["step"]: r for r in rows if r["source"] == "trainer"}
+    steps = sorted(set(orchestrator) & set(trainer))[skip:]
+    if len(steps) < 2:
+        raise AsyncRLError(
+            f"'{run_dir}' has {len(steps)} step(s) after the first {skip}: calibrating needs 2 at least "
+            f"(run it with --max-steps {skip + 3} or more)"
+        )
+    return {n: orchestrator[n] for n in steps}, {n: trainer[n] for n in steps}
+
+
+def layout(run_dir: Path) -> tuple[int, int]:
+    """(inference replicas, trainer ranks) of the run."""
+    config = _orchestrator_config(run_dir)
+    return len(config["inference_urls"]), config["num_trainer_ranks"]
+
+
+def _orchestrator_config(run_dir: Path) -> dict:
+    configs = run_dir / "configs" / "orchestrator.toml"
+    if not configs.exists():
+        raise AsyncRLError(f"'{run_dir}' has no configs/orchestrator.toml (give the output_dir of an `asyncrl rl` run)")
+    return tomllib.loads(configs.read_text())
+
+
+def calibrate(run_dir: Path, skip: int = 2) -> Parts:
+    config = _orchestrator_config(run_dir)
+    replicas, ranks = layout(run_dir)
+    orchestrator, trainer = _steady(run_dir, skip)
+    steps = list(orchestrator)
+
+    generated = busy = 0.0
+    for o in orchestrator.values():
+        for i in range(replicas):
+            generated += o[f"perf/server/{i}/tokens_per_s"] * o["time/step"]
+            busy += (1 - o[f"perf/server/{i}/idle"]) * o["time/step"]
+    batch_tokens = sum(o["batch/tokens"] for o in orchestrator.values())
+    completions = sum(o["completion_len/mean"] * o["batch/rollouts"] for o in orchestrator.values())
+    rollouts = sum(o["batch/rollouts"] for o in orchestrator.values())
+    train_s = sum(t["time/forward_backward"] + t["time/optimizer"] for t in trainer.values())
+
+    live = live_times(run_dir / "logs")
+    loads = [live[n] - trainer[n]["timestamp/train_end"] for n in steps if n in live]
+    handoffs = [trainer[n]["timestamp/train_start"] - orchestrator[n]["timestamp/generate_end"] for n in steps]
+    return Parts(
+        batch_size=config["batch_size"],
+        prompt_tokens=(batch_tokens - completions) / rollouts,
+        completion_tokens=completions / rollouts,
+        max_async_level=config["max_async_level"],
+        engine_tokens_per_s=generated / max(busy, 1e-9) if generated else 0.0,
+        trainer_tokens_per_s=batch_tokens / train_s / ranks,
+        efficiency_per_doubling=1.0,
+        publish={
+            config["weight_transfer"]["mode"]: Publish(
+                statistics.fmean(t["time/publish"] for t in trainer.values()),
+                max(statistics.median(loads), 0.0) if loads else 0.0,
+            )
+        },
+        batch_handoff_s=max(statistics.median(handoffs), 0.0),
+    )

@@ -1,0 +1,143 @@
+"""A model of one RL step from measured parts, and the best split of N GPUs between inference and trainer.
+
+It is a model, not a simulation: every part is a mean rate or a fixed latency, and nothing varies from
+step to step. Per step, with B samples of p prompt and c completion tokens, R inference replicas of g
+generated tokens/s each, K trainer ranks of t trained tokens/s each at efficiency e(K) = f ** log2(K):
+
+    G = B c / (R g)                    generation of one batch
+    T = B (p + c) / (K t e(K))         forward, backward and optimizer of one batch
+    P                                  the trainer held by publishing the weights
+    H = W + D                          handoffs: W from the trainer's publish to the new weights live on
+                                       the servers, D from a batch's cut to the trainer starting on it
+
+On GPUs of their own, at max_async_level L, batch n + L + 1 can only be generated once version n is
+live, so a step is bounded by each side and by the round trip generate -> train -> publish spread over
+L + 1 steps:
+
+    step = max(G, T + P, (G + T + P + H) / (L + 1))
+
+L = 0 (sync) gives G + T + P + H; at L >= 1 with small handoffs it is max(G, T + P). Colocated
+(inference and trainer share every GPU) they take turns: step = G + T + P + H, with no overlap gain.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from asyncrl.errors import AsyncRLError
+
+MODES = ("filesystem", "broadcast", "colocated")
+
+
+@dataclass(frozen=True)
+class Publish:
+    trainer_s: float  # the trainer held per publish
+    load_s: float  # from the trainer's publish to the new weights live on the servers (W)
+
+
+@dataclass(frozen=True)
+class Parts:
+    batch_size: int
+    prompt_tokens: float
+    completion_tokens: float
+    max_async_level: int
+    engine_tokens_per_s: float  # generated tokens/s of one replica at the workload's batch
+    trainer_tokens_per_s: float  # trained tokens/s of one rank
+    efficiency_per_doubling: float  # trainer tokens/s per rank at 2K ranks / at K ranks
+    publish: dict[str, Publish]
+    batch_handoff_s: float = 0.0  # D
+    gpus_per_node: int = 8
+
+    def efficiency(self, ranks: int) -> float:
+        return self.efficiency_per_doubling ** math.log2(ranks)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    inference_gpus: int
+    trainer_gpus: int
+    mode: str
+    step_s: float
+    trained_tokens_per_s: float
+    trainer_idle: float
+    inference_idle: float
+    bound: str  # "generation", "training" or "round trip"
+
+
+def predict(parts: Parts, replicas: int, ranks: int, mode: str) -> Prediction:
+    """The step of `replicas` one-GPU servers and `ranks` trainer ranks; colocated: on the same GPUs."""
+    if mode not in parts.publish:
+        raise AsyncRLError(f"the parts have no publish time for mode '{mode}' (add publish.{mode})")
+    publish = parts.publish[mode]
+    generate = parts.batch_size * parts.completion_tokens / (replicas * parts.engine_tokens_per_s)
+    trained = parts.batch_size * (parts.prompt_tokens + parts.completion_tokens)
+    train = trained / (ranks * parts.trainer_tokens_per_s * parts.efficiency(ranks)) + publish.trainer_s
+    round_trip = generate + train + publish.load_s + parts.batch_handoff_s
+    if mode == "colocated":
+        step, bound = round_trip, "round trip"
+    else:
+        terms = {"generation": generate, "training": train, "round trip": round_trip / (parts.max_async_level + 1)}
+        bound = max(terms, key=terms.__getitem__)
+        step = terms[bound]
+    return Prediction(replicas, ranks, mode, step, trained / step, 1 - train / step, 1 - generate / step, bound)
+
+
+def splits(gpus: int, gpus_per_node: int) -> list[tuple[int, int]]:
+    """Every (inference, trainer) split of `gpus`; past one node, in whole nodes (each side on nodes of its own)."""
+    unit = gpus_per_node if gpus > gpus_per_node and gpus % gpus_per_node == 0 else 1
+    return [(i, gpus - i) for i in range(unit, gpus, unit)]
+
+
+def best_splits(parts: Parts, gpus: int, mode: str) -> list[Prediction]:
+    """Every split of `gpus` (and, if the parts have its publish time, all of them colocated), best first."""
+    if gpus < 1:
+        raise AsyncRLError(f"--gpus must be at least 1, not {gpus}")
+    found = [predict(parts, i, t, mode) for i, t in splits(gpus, parts.gpus_per_node)]
+    if "colocated" in parts.publish:
+        found.append(predict(parts, gpus, gpus, "colocated"))
+    if not found:
+        raise AsyncRLError(f"{gpus} GPU cannot be split between inference and trainer; add colocated to the parts")
+    return sorted(found, key=lambda p: -p.trained_tokens_per_s)
+
+
+def table(predictions: list[Prediction], top: int) -> str:
+    lines = [
+        "   inference  trainer  mode        s/step  trained tok/s  trainer idle  inference idle  bound",
+    ]
+    for n, p in enumerate(predictions[:top]):
+        lines.append(
+            f"{'*' if n == 0 else ' '}  {p.inference_gpus:>9}  {p.trainer_gpus:>7}  {p.mode:<10}  {p.step_s:>6.3g}  "
+            f"{p.trained_tokens_per_s:>13,.0f}  {p.trainer_idle:>12.0%}  {p.inference_idle:>14.0%}  {p.bound}"
+        )
+    if len(predictions) > top:
+        lines.append(f"   ... {len(predictions) - top} more splits (--top {len(predictions)} shows them)")
+    return "\n".join(lines)
+
+
+def load_parts(path: Path) -> Parts:
+    """Parts from a JSON or TOML file (examples/plan/h200_qwen3_0.6b.json shows every key)."""
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise AsyncRLError(f"parts file '{path}' cannot be read ({error.strerror})") from None
+    raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    try:
+        workload, trainer = raw["workload"], raw["trainer"]
+        return Parts(
+            batch_size=workload["batch_size"],
+            prompt_tokens=workload["prompt_tokens"],
+            completion_tokens=workload["completion_tokens"],
+            max_async_level=workload["max_async_level"],
+            engine_tokens_per_s=raw["engine"]["tokens_per_s"],
+            trainer_tokens_per_s=trainer["tokens_per_s"],
+            efficiency_per_doubling=trainer.get("efficiency_per_doubling", 1.0),
+            publish={mode: Publish(p["trainer_s"], p["load_s"]) for mode, p in raw["publish"].items()},
+            batch_handoff_s=raw.get("batch_handoff_s", 0.0),
+            gpus_per_node=raw.get("gpus_per_node", 8),
+        )
+    except KeyError as error:
+        raise AsyncRLError(f"parts file '{path}' has no {error} (examples/plan/ shows every key)") from None

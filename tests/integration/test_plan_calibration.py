@@ -1,0 +1,35 @@
+"""asyncrl plan --calibrate on real runs: the model, calibrated on a short run, gives back its s/step."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from rl_runs import run_rl
+
+from asyncrl.models.offline import init_model
+from asyncrl.plan.calibrate import calibrate, layout, measured_step_s
+from asyncrl.plan.model import predict
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_calibrated_model_reproduces_the_runs_step_time_within_20_percent(tmp_path, level):
+    init_model(tmp_path / "tiny", "tiny", seed=0)
+    level_flag = ("--orchestrator.max-async-level", str(level))
+    result = run_rl(tmp_path / "tiny", tmp_path / "run", "--max-steps", "8", *level_flag)
+    assert result.returncode == 0, result.stdout + result.stderr
+    parts = calibrate(tmp_path / "run")
+    assert parts.max_async_level == level and parts.batch_size == 8
+    predicted = predict(parts, *layout(tmp_path / "run"), "filesystem").step_s
+    measured = measured_step_s(tmp_path / "run")
+    assert abs(predicted - measured) <= 0.2 * measured, f"predicted {predicted:.3f} s/step, measured {measured:.3f}"
+
+    shown = subprocess.run(
+        [sys.executable, "-m", "asyncrl", "plan", "--calibrate", str(tmp_path / "run"), "--gpus", "4"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert f"predicted {predicted:.3f} s/step" in shown.stdout and "PREDICTION for 4 GPUs" in shown.stdout

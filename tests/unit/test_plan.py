@@ -1,0 +1,75 @@
+"""asyncrl plan: the step model's formulas and the search for the best split."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from asyncrl.errors import AsyncRLError
+from asyncrl.plan.model import Parts, Publish, best_splits, load_parts, predict
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plan" / "h200_qwen3_0.6b.json"
+
+# B c = 1,000 generated and B (p + c) = 4,000 trained tokens per step.
+PARTS = Parts(
+    batch_size=10, prompt_tokens=300, completion_tokens=100, max_async_level=1,
+    engine_tokens_per_s=500, trainer_tokens_per_s=1000, efficiency_per_doubling=0.9,
+    publish={"filesystem": Publish(0.5, 0.3), "colocated": Publish(0.1, 0.05)}, batch_handoff_s=0.2,
+    gpus_per_node=4,
+)  # fmt: skip
+
+
+def test_sync_step_is_the_sum_of_generation_training_publish_and_handoffs():
+    sync = dataclasses.replace(PARTS, max_async_level=0)
+    p = predict(sync, 2, 1, "filesystem")  # G = 1000 / (2 x 500) = 1, T = 4, P = 0.5, H = 0.3 + 0.2
+    assert p.step_s == pytest.approx(1 + 4 + 0.5 + 0.5)
+    assert p.trained_tokens_per_s == pytest.approx(4000 / 6)
+    assert p.trainer_idle == pytest.approx(1 - 4.5 / 6) and p.inference_idle == pytest.approx(1 - 1 / 6)
+
+
+def test_async_step_is_the_slower_side_when_handoffs_are_small():
+    fast = dataclasses.replace(PARTS, publish={"filesystem": Publish(0.5, 0.0)}, batch_handoff_s=0.0)
+    p = predict(fast, 1, 4, "filesystem")  # G = 2, T = 4000 / (4 x 1000 x 0.81) = 1.235, + P 0.5
+    assert p.step_s == pytest.approx(2) and p.bound == "generation" and p.inference_idle == pytest.approx(0)
+    p = predict(fast, 4, 2, "filesystem")  # G = 0.5, T = 4000 / (2 x 1000 x 0.9) = 2.222, + P 0.5
+    assert p.step_s == pytest.approx(4000 / 1800 + 0.5) and p.bound == "training"
+
+
+def test_async_step_is_bounded_by_the_round_trip_over_max_async_level_plus_one():
+    p = predict(PARTS, 2, 2, "filesystem")  # G = 1, T + P = 2.722, round trip (1 + 2.722 + 0.5) / 2 = 2.111
+    assert p.bound == "training"
+    slow = dataclasses.replace(PARTS, publish={"filesystem": Publish(0.5, 4.0)})
+    p = predict(slow, 2, 2, "filesystem")
+    assert p.bound == "round trip" and p.step_s == pytest.approx((1 + 4000 / 1800 + 0.5 + 4.2) / 2)
+
+
+def test_colocated_takes_turns_without_overlap():
+    p = predict(PARTS, 2, 2, "colocated")
+    assert p.step_s == pytest.approx(1 + 4000 / 1800 + 0.1 + 0.05 + 0.2) and p.bound == "round trip"
+
+
+@pytest.mark.parametrize("gpus", [2, 3, 4, 8, 12])
+def test_search_finds_the_split_a_brute_force_grid_finds(gpus):
+    grid = [
+        predict(PARTS, i, t, "filesystem")
+        for i in range(1, gpus + 1)
+        for t in range(1, gpus + 1)
+        if i + t <= gpus and (gpus <= PARTS.gpus_per_node or (i % 4 == 0 and t % 4 == 0))
+    ]
+    grid.append(predict(PARTS, gpus, gpus, "colocated"))
+    best = max(grid, key=lambda p: p.trained_tokens_per_s)
+    found = best_splits(PARTS, gpus, "filesystem")
+    assert found[0].trained_tokens_per_s == pytest.approx(best.trained_tokens_per_s)
+    assert (found[0].inference_gpus, found[0].trainer_gpus, found[0].mode) == (
+        best.inference_gpus, best.trainer_gpus, best.mode
+    )  # fmt: skip
+    assert [p.trained_tokens_per_s for p in found] == sorted((p.trained_tokens_per_s for p in found), reverse=True)
+
+
+def test_the_example_parts_load_and_a_missing_mode_is_named():
+    parts = load_parts(EXAMPLE)
+    assert parts.batch_size == 64 and set(parts.publish) == {"filesystem", "broadcast", "colocated"}
+    with pytest.raises(AsyncRLError, match="publish.nvlink"):
+        predict(parts, 1, 1, "nvlink")
