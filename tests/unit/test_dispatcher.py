@@ -204,6 +204,26 @@ def test_groups_go_to_the_least_loaded_server_and_back_out_when_it_goes_down():
     run(main())
 
 
+def test_groups_go_to_a_server_with_room_when_the_least_loaded_one_is_still_updating():
+    """One level ahead on two servers: after batch 1, server 1 holds version 1 (room for batch 3) while server
+    0, equally loaded, is still loading it (version 0: no room). Batch 3's groups go to server 1 meanwhile."""
+
+    async def main():
+        async with Harness(config(max_async_level=1), servers=2) as h:
+            h.env.finish(0, 1)
+            await h.settle()
+            await h.cut(1)
+            assert h.sent() == [2, 3]
+            assert [s.samples_in_flight for s in h.pool.servers] == [2, 2]
+            h.pool.servers[0].updating = True
+            h.pool.servers[1].version = 1
+            await h.settle()
+            assert h.sent() == [2, 3, 4, 5]
+            assert {i: s for i, s, _ in h.env.started if i >= 4} == {4: 1, 5: 1}
+
+    run(main())
+
+
 def test_dynamic_sampling_leaves_out_groups_without_signal_and_draws_more():
     async def main():
         async with Harness(config(max_async_level=0, dynamic_sampling=True), env=Scripted(flat=True)) as h:

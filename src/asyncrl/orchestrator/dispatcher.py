@@ -174,8 +174,8 @@ class Dispatcher:
         choice = None
         if len(self.inflight) < self.cfg.max_inflight:
             oldest_useful = max(min_policy_version(self.cut + 1, self.cfg.max_async_level), self.version_floor)
-            server = self.pool.least_loaded(oldest_useful)
-            if server is None:
+            servers = self.pool.by_preference(oldest_useful)
+            if not servers:
                 blocked = any(s.up for s in self.pool.servers)  # up, but weights too old for the next batch
                 self.waiting_for_version = oldest_useful if blocked else None
             elif self.unsent:
@@ -183,13 +183,17 @@ class Dispatcher:
                 if elsewhere is not None:
                     choice = (self.unsent.popleft(), elsewhere)
                 elif time.monotonic() >= self.unsent[0].retry_at:
-                    choice = (self.unsent.popleft(), server)
+                    choice = (self.unsent.popleft(), servers[0])
                 # else: it backs off from the only server that serves, and nothing new goes there meanwhile
-            elif self._groups_with_room(server):
-                choice = (None, server)
             else:
-                blocked = True
-                self.waiting_for_version = server.version + 1
+                # Room depends on the server's weights: the least loaded one may be a version behind (still
+                # updating) while another, already newer, may take the next batch's groups.
+                with_room = next((s for s in servers if self._groups_with_room(s)), None)
+                if with_room is not None:
+                    choice = (None, with_room)
+                else:
+                    blocked = True
+                    self.waiting_for_version = min(s.version for s in servers) + 1
         now = time.monotonic()
         if self._blocked_since is not None:
             self._stats["blocked"] += now - self._blocked_since

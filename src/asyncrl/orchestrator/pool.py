@@ -1,8 +1,10 @@
 """The inference servers of a run, as the orchestrator sees them: who is up, which weights each serves, how
 much work each has, and which one takes the next group.
 
-- **Routing.** A group goes to the server with the fewest samples in flight (ties: the first), and all its
-  requests stay there, so its prompt is prefilled once.
+- **Routing.** A group goes to the server with the fewest samples in flight (ties: the first) among those
+  not updating their weights, else among those that are; the dispatcher takes the first of that order whose
+  weights leave room under the off-policy bound. All of a group's requests stay there, so its prompt is
+  prefilled once.
 - **Weights.** `follow_weights` watches the trainer's published versions (`newest_published`: the next
   version's marker every WEIGHTS_POLL seconds) and brings every server up to the newest: pause, load,
   resume, between two decoding steps, while requests stay in flight. Each server's version is tracked on
@@ -116,9 +118,14 @@ class InferencePool:
         """The servers that may take new groups: up, with weights at least `oldest_useful`."""
         return [s for s in self.servers if s.up and s.version >= oldest_useful]
 
-    def least_loaded(self, oldest_useful: int, avoid: Server | None = None) -> Server | None:
+    def by_preference(self, oldest_useful: int, avoid: Server | None = None) -> list[Server]:
+        """The serving servers (less `avoid`) in the order a new group should try them: those not updating their
+        weights first (one that is pauses between two steps to load them), each side least loaded first."""
         candidates = [s for s in self.serving(oldest_useful) if s is not avoid]
-        return min(candidates, key=lambda s: (s.samples_in_flight, s.index), default=None)
+        return sorted(candidates, key=lambda s: (s.updating, s.samples_in_flight, s.index))
+
+    def least_loaded(self, oldest_useful: int, avoid: Server | None = None) -> Server | None:
+        return next(iter(self.by_preference(oldest_useful, avoid)), None)
 
     def started(self, server: Server, samples: int, group: bool) -> None:
         if server.samples_in_flight == 0 and server.idle_since is not None:
