@@ -69,14 +69,21 @@ def test_two_context_parallel_ranks_train_as_one_rank_per_row(runs, case):
     assert tensors_1.keys() == tensors_2.keys()
     assert any(name.startswith("step2.grad.") for name in tensors_1)
     for name, tensor in tensors_1.items():
-        if not name.startswith("weight."):
+        if name.startswith("step1."):  # on the same weights: equal to rounding
             torch.testing.assert_close(tensors_2[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+            continue
+        if name.startswith("step2."):
+            # On the weights after one step, which differ a little (below): measured up to 2e-4 of the tensor's
+            # largest entry (the mixture-of-experts model on transformers 5.25's random init; 2e-5 dense).
+            scale = float(tensor.abs().max())
+            torch.testing.assert_close(tensors_2[name], tensor, rtol=1e-3, atol=1e-3 * scale, msg=name)
             continue
         # AdamW's first steps move every weight by about lr (1e-2) whatever its gradient's size, so a gradient
         # within rounding of 0 may move it a little differently: weights get a looser bound than gradients, and
-        # a few such weights of a tensor (the experts' have many near-zero gradients) may differ by up to lr / 20.
+        # a few such weights of a tensor (the experts' have many near-zero gradients) may differ by up to lr / 20
+        # (measured on the mixture-of-experts model: at most 1.2e-4 of a tensor's weights past 5e-5, none past 1.4e-4).
         off = (tensors_2[name] - tensor).abs()
-        assert int((off > 5e-5).sum()) <= max(1, tensor.numel() // 10_000) and float(off.max()) < 5e-4, name
+        assert int((off > 5e-5).sum()) <= max(1, tensor.numel() // 2000) and float(off.max()) < 5e-4, name
 
 
 @pytest.mark.integration
