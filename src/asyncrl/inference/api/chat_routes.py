@@ -21,11 +21,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from asyncrl.config.schema import InferenceConfig
 from asyncrl.inference.api.api_errors import APIError
+from asyncrl.inference.api.bodies import parsed_body
 from asyncrl.inference.api.disconnect import unless_disconnected
 from asyncrl.inference.api.limits import PromptTextLimit, admit
 from asyncrl.inference.api.prompts import PromptTokenizer
@@ -72,6 +73,7 @@ class ChatChoice:
 
 def chat_routes(backend: Backend, cfg: InferenceConfig, model_name: str, prompt_work: PromptTokenizer) -> APIRouter:
     router = APIRouter()
+    chat_body = Depends(parsed_body(ChatBody, prompt_work.workers, check_supported))
     tokenizer = backend.tokenizer
     text_limit = PromptTextLimit(tokenizer, cfg.seq_len)
     tokens = TokenText(tokenizer)
@@ -196,9 +198,8 @@ def chat_routes(backend: Backend, cfg: InferenceConfig, model_name: str, prompt_
         }
 
     @router.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(body: ChatBody, raw: Request) -> Response:
+    async def chat_completions(raw: Request, body: ChatBody = chat_body) -> Response:
         check_model(body.model, model_name)
-        check_supported(body)
         plan = tool_plan(body)
         asked = body.max_completion_tokens or body.max_tokens
         prompt_ids = await unless_disconnected(raw, chat_prompt(body, plan, asked, len(await raw.body())))

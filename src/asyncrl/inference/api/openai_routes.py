@@ -13,11 +13,12 @@ import asyncio
 import time
 import uuid
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from asyncrl.config.schema import InferenceConfig
 from asyncrl.inference.api.api_errors import APIError
+from asyncrl.inference.api.bodies import parsed_body
 from asyncrl.inference.api.chat_routes import chat_routes
 from asyncrl.inference.api.disconnect import unless_disconnected
 from asyncrl.inference.api.limits import PromptTextLimit, admit
@@ -45,6 +46,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; cha
 def openai_routes(backend: Backend, cfg: InferenceConfig, model_name: str, workers: PromptWorkers) -> APIRouter:
     router = APIRouter()
     prompt_work = PromptTokenizer(backend.tokenizer, workers, cfg.seq_len)
+    completion_body = Depends(parsed_body(CompletionBody, workers, check_supported))
     router.include_router(chat_routes(backend, cfg, model_name, prompt_work))
     tokenizer = backend.tokenizer
     text_limit = PromptTextLimit(tokenizer, cfg.seq_len)
@@ -119,9 +121,8 @@ def openai_routes(backend: Backend, cfg: InferenceConfig, model_name: str, worke
         }
 
     @router.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionBody, raw: Request) -> JSONResponse | StreamingResponse:
+    async def completions(raw: Request, body: CompletionBody = completion_body) -> JSONResponse | StreamingResponse:
         check_model(body.model, model_name)
-        check_supported(body)
         max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
         prompts = await unless_disconnected(raw, completion_prompts(body, max_tokens, len(await raw.body())))
         requests = [request_for(body, ids, max_tokens, body.logprobs or 0) for ids in prompts]

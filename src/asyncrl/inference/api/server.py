@@ -77,7 +77,7 @@ def create_app(backend: Backend, cfg: InferenceConfig) -> FastAPI:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     clients = [Depends(api_key_guard(cfg))]
-    app.include_router(token_routes(backend, cfg, model_name), dependencies=clients)
+    app.include_router(token_routes(backend, cfg, model_name, prompt_workers), dependencies=clients)
     app.include_router(openai_routes(backend, cfg, model_name, prompt_workers), dependencies=clients)
     app.include_router(admin_routes(backend, cfg))
     return app
@@ -139,8 +139,16 @@ def start_native(cfg: InferenceConfig) -> NativeBackend:
         raise
 
 
+# How long a thread may hold the GIL while another waits for it (Python's default: 5 ms). Rendering a huge chat
+# body is pure Python on a prompt thread; at 5 ms the decoding thread, which takes the GIL back between its torch
+# calls, waited up to 5 ms each time, and a good request beside 200 hostile ones took 7.4 s at worst (1 ms: 2.5 s;
+# benchmarks/hostile_load.py). Serving speed was the same at both (tiny model, CPU).
+GIL_SWITCH_INTERVAL_S = 0.001
+
+
 def serve(cfg: InferenceConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     # SIGTERM (the launcher stopping us) must run the `finally` below, also while the backend starts.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     sock = bind_socket(cfg.host, cfg.port)

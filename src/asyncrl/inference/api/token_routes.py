@@ -6,13 +6,15 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from asyncrl.config.schema import InferenceConfig
 from asyncrl.inference.api.api_errors import APIError
+from asyncrl.inference.api.bodies import parsed_body
 from asyncrl.inference.api.disconnect import unless_disconnected
 from asyncrl.inference.api.limits import admit
+from asyncrl.inference.api.prompts import PromptWorkers
 from asyncrl.inference.api.protocol import (
     GenerateBody,
     TokenGenerateBody,
@@ -45,11 +47,13 @@ def sampling(body: Any) -> dict[str, Any]:
     }
 
 
-def token_routes(backend: Backend, cfg: InferenceConfig, model_name: str) -> APIRouter:
+def token_routes(backend: Backend, cfg: InferenceConfig, model_name: str, workers: PromptWorkers) -> APIRouter:
     router = APIRouter()
+    generate_body = Depends(parsed_body(GenerateBody, workers))
+    token_generate_body = Depends(parsed_body(TokenGenerateBody, workers))
 
     @router.post("/v1/generate", response_model=None)
-    async def generate(body: GenerateBody, raw: Request) -> JSONResponse:
+    async def generate(raw: Request, body: GenerateBody = generate_body) -> JSONResponse:
         request = GenerationRequest(
             prompt_ids=body.prompt_ids,
             max_tokens=body.max_tokens,
@@ -62,7 +66,7 @@ def token_routes(backend: Backend, cfg: InferenceConfig, model_name: str) -> API
         return await in_thread(generate_answer, completions, len(body.prompt_ids))
 
     @router.post("/inference/v1/generate", response_model=None)
-    async def generate_like_vllm(body: TokenGenerateBody, raw: Request) -> JSONResponse:
+    async def generate_like_vllm(raw: Request, body: TokenGenerateBody = token_generate_body) -> JSONResponse:
         check_model(body.model, model_name)
         if body.stream:
             raise APIError(400, "stream=true is not supported on /inference/v1/generate (send stream=false)", "stream")
