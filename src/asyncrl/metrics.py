@@ -49,7 +49,11 @@ class MetricsLogger(JsonlWriter):
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSONL file, also while a run appends to it: a last line without its newline is a record
+    still being written (a reader saw half of one on a loaded machine) and is left for the next read."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    complete = text[: text.rfind("\n") + 1]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
