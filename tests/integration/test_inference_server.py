@@ -191,6 +191,18 @@ def test_chat_completions_with_the_openai_client(client, tokenizer):
             assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
 
 
+def test_without_the_prefix_cache_every_route_says_no_prompt_token_was_cached(client, http):
+    messages = [{"role": "user", "content": "reverse: abcdefgh"}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "?"}]
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    assert [first.usage.prompt_tokens_details.cached_tokens, second.usage.prompt_tokens_details.cached_tokens] == [0, 0]
+    prompt = [257, 84, 82, 68, 81, 198, 71, 72]
+    answer = generate(http, prompt_ids=prompt, max_tokens=4, temperature=0)["choices"][0]
+    again = generate(http, prompt_ids=prompt + answer["token_ids"], n=2, max_tokens=2)["choices"]
+    assert [answer["cached_tokens"]] + [c["cached_tokens"] for c in again] == [0, 0, 0]
+
+
 def test_chat_stop_string_cuts_the_text(client):
     request = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=24, seed=3)
     free = client.chat.completions.create(**request).choices[0].message.content

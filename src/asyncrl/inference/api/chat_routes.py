@@ -37,6 +37,7 @@ from asyncrl.inference.api.protocol import (
     check_supported,
     check_unicode,
     in_thread,
+    prompt_cached_tokens,
     stop_strings,
     usage,
 )
@@ -136,24 +137,27 @@ def chat_routes(backend: Backend, cfg: InferenceConfig, model_name: str, prompt_
         finish_reason = "tool_calls" if calls and completion.finish_reason == "stop" else completion.finish_reason
         return ChatChoice(content, calls, covered, finish_reason)
 
-    async def generate_with_calls(request: GenerationRequest, plan: ToolPlan) -> tuple[list[Completion], int]:
+    async def generate_with_calls(request: GenerationRequest, plan: ToolPlan) -> tuple[list[Completion], int, int]:
         """The request's samples, each holding a valid call: a sample without one is drawn again, at most
-        TOOL_CHOICE_ATTEMPTS times (greedy sampling would draw the same one). Returns them and every token
-        generated, the discarded samples' too."""
+        TOOL_CHOICE_ATTEMPTS times (greedy sampling would draw the same one). Returns them, every token
+        generated (the discarded samples' too) and the prompt's cached tokens (of the first draw: usage counts
+        the prompt once)."""
         kept: list[Completion | None] = [None] * request.n
         attempts = 1 if request.temperature < MIN_TEMPERATURE else TOOL_CHOICE_ATTEMPTS
-        generated = 0
+        generated = cached = 0
         for attempt in range(attempts):
             missing = [index for index, completion in enumerate(kept) if completion is None]
             seed = None if request.seed is None else request.seed + attempt * request.n  # new draws each round
             results = await backend.generate(dataclasses.replace(request, n=len(missing), seed=seed))
             generated += sum(len(completion.token_ids) for completion in results)
+            if attempt == 0:
+                cached = prompt_cached_tokens(results)
             choices = await asyncio.to_thread(lambda done: [read_choice(plan, request.stop, c) for c in done], results)
             for index, completion, choice in zip(missing, results, choices):
                 if choice.calls:
                     kept[index] = completion
             if all(completion is not None for completion in kept):
-                return kept, generated
+                return kept, generated, cached
         raise APIError(
             422,
             f"the model wrote no valid call of {plan.required} in {attempts} attempt{'s' * (attempts > 1)} "
@@ -162,7 +166,12 @@ def chat_routes(backend: Backend, cfg: InferenceConfig, model_name: str, prompt_
         )
 
     def chat_answer(
-        body: ChatBody, plan: ToolPlan, request: GenerationRequest, completions: list[Completion], generated: int
+        body: ChatBody,
+        plan: ToolPlan,
+        request: GenerationRequest,
+        completions: list[Completion],
+        generated: int,
+        cached: int,
     ) -> dict:
         choices = []
         for index, completion in enumerate(completions):
@@ -184,7 +193,7 @@ def chat_routes(backend: Backend, cfg: InferenceConfig, model_name: str, prompt_
             "created": int(time.time()),
             "model": model_name,
             "choices": choices,
-            "usage": usage(len(request.prompt_ids), generated),
+            "usage": usage(len(request.prompt_ids), generated, cached),
         }
 
     def logprobs_of(body: ChatBody, sample: Any, start: int, end: int) -> dict | None:
@@ -214,14 +223,15 @@ def chat_routes(backend: Backend, cfg: InferenceConfig, model_name: str, prompt_
         admit(cfg, backend.vocab_size, [request])
 
         if plan.required is not None:
-            completions, generated = await unless_disconnected(raw, generate_with_calls(request, plan))
-            answer = await asyncio.to_thread(chat_answer, body, plan, request, completions, generated)
+            completions, generated, cached = await unless_disconnected(raw, generate_with_calls(request, plan))
+            answer = await asyncio.to_thread(chat_answer, body, plan, request, completions, generated, cached)
             return whole_answer_stream(body, answer) if body.stream else JSONResponse(answer)
         if body.stream:
             return chat_stream(body, plan, request)
         completions = await unless_disconnected(raw, backend.generate(request))
         generated = sum(len(completion.token_ids) for completion in completions)
-        return await in_thread(chat_answer, body, plan, request, completions, generated)
+        cached = prompt_cached_tokens(completions)
+        return await in_thread(chat_answer, body, plan, request, completions, generated, cached)
 
     def chat_stream(body: ChatBody, plan: ToolPlan, request: GenerationRequest) -> StreamingResponse:
         stream = TokenStream(backend, [request], tokenizer)

@@ -31,6 +31,7 @@ from asyncrl.inference.api.protocol import (
     check_unicode,
     in_thread,
     model_card,
+    prompt_cached_tokens,
     stop_strings,
     usage,
 )
@@ -116,7 +117,9 @@ def openai_routes(backend: Backend, cfg: InferenceConfig, model_name: str, worke
             "model": model_name,
             "choices": choices,
             "usage": usage(
-                sum(len(r.prompt_ids) for r in requests), sum(len(c.token_ids) for result in results for c in result)
+                sum(len(r.prompt_ids) for r in requests),
+                sum(len(c.token_ids) for result in results for c in result),
+                sum(prompt_cached_tokens(result) for result in results),
             ),
         }
 

@@ -20,7 +20,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from asyncrl.inference.api.api_errors import APIError
-from asyncrl.inference.engine.sequence import MAX_TOP_LOGPROBS
+from asyncrl.inference.engine.sequence import MAX_TOP_LOGPROBS, Completion
 
 MAX_POLICY_VERSION = 2**31 - 1  # a trainer step; anything larger is a mistake
 
@@ -268,12 +268,22 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's usage. `prompt_tokens_details.cached_tokens` (prompt tokens read from the prefix cache) is always
+    there, 0 without the cache, so that clients can rely on it."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def prompt_cached_tokens(completions: list[Completion]) -> int:
+    """The cached tokens of a request's prompt, which usage counts once however many samples it has (as vLLM
+    does): its first sample's, whose prefill computed the prompt (a sample admitted after it may find more of the
+    prompt cached, in the blocks the first one wrote)."""
+    return completions[0].cached_tokens if completions else 0
 
 
 def model_card(model_name: str, seq_len: int) -> dict:

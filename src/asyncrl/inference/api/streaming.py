@@ -14,7 +14,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from asyncrl.inference.api.api_errors import error_body
-from asyncrl.inference.api.protocol import usage
+from asyncrl.inference.api.protocol import prompt_cached_tokens, usage
 from asyncrl.inference.api.text import SampleText
 from asyncrl.inference.backends.backend import Backend
 from asyncrl.inference.engine.sequence import GenerationRequest
@@ -80,6 +80,10 @@ class TokenStream:
     def completion_tokens(self) -> int:
         return sum(len(sample.token_ids) for sample in self.samples)
 
+    def cached_tokens(self) -> int:
+        """Prompt tokens read from the prefix cache, each request's prompt once; asked once every request is done."""
+        return sum(prompt_cached_tokens(task.result()) for task in self.tasks if not task.cancelled())
+
     def cancel(self) -> None:
         for task in self.tasks:
             task.cancel()
@@ -87,7 +91,7 @@ class TokenStream:
 
 def usage_chunk(stream_id: str, obj: str, model_name: str, prompt_tokens: int, stream: TokenStream) -> dict:
     """The last event of a stream asked for `stream_options.include_usage`."""
-    usage_now = usage(prompt_tokens, stream.completion_tokens())
+    usage_now = usage(prompt_tokens, stream.completion_tokens(), stream.cached_tokens())
     return {
         "id": stream_id,
         "object": obj,

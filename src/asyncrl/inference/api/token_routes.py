@@ -21,6 +21,7 @@ from asyncrl.inference.api.protocol import (
     TokenSamplingParams,
     check_model,
     in_thread,
+    prompt_cached_tokens,
     stop_strings,
     usage,
 )
@@ -87,14 +88,16 @@ def token_routes(backend: Backend, cfg: InferenceConfig, model_name: str, worker
 
 
 def generate_answer(completions: list[Completion], prompt_tokens: int) -> dict:
-    """`/v1/generate`'s answer; with routed experts (a mixture-of-experts model asked for them), the prompt's once
-    and each choice's own, in transport/routing.py's encoding."""
+    """`/v1/generate`'s answer: per choice, its tokens and how many prompt tokens its prefill read from the prefix
+    cache; with routed experts (a mixture-of-experts model asked for them), the prompt's once and each choice's
+    own, in transport/routing.py's encoding."""
     choices = [
         {
             "token_ids": c.token_ids,
             "logprobs": c.logprobs,
             "policy_versions": c.policy_versions,
             "finish_reason": c.finish_reason,
+            "cached_tokens": c.cached_tokens,
         }
         for c in completions
     ]
@@ -127,5 +130,5 @@ def token_route_answer(
         "request_id": f"generate-tokens-{uuid.uuid4().hex}",
         "model": model_name,
         "choices": choices,
-        "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in completions)),
+        "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in completions), prompt_cached_tokens(completions)),
     }

@@ -1,0 +1,113 @@
+"""Every route says how many prompt tokens came from the prefix cache: `asyncrl inference` with the paged layout
+and the prefix cache on, on a tiny model, driven over HTTP and by the official openai client. A request whose
+tokens start like an earlier prompt or sample (a second turn) reads whole blocks of them from the cache: all
+but the prompt's last token, which its prefill computes for the logits."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from servers import free_port, inference_command, running_server  # tests/integration, on sys.path under pytest
+
+from asyncrl.models.offline import init_model
+
+pytestmark = pytest.mark.integration
+
+BLOCK = 4  # tokens per KV-cache block: small, so that a short prompt fills several
+SEQ_LEN = 1024
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prefix_cache") / "tiny"
+    init_model(path, "tiny", seed=0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    port = free_port()
+    flags = ("--device", "cpu", "--seq-len", str(SEQ_LEN), "--served-model-name", "tiny")
+    cache = ("--kv_cache_layout", "paged", "--kv_block_size", str(BLOCK), "--prefix_cache", "true")
+    command = inference_command(model_dir, port, *flags, *cache)
+    with running_server(command, port, tmp_path_factory.mktemp("logs") / "inference.log") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="x")
+
+
+def post(http: httpx.Client, route: str, **body) -> dict:
+    response = http.post(route, json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def whole_blocks(tokens: int) -> int:
+    return tokens // BLOCK * BLOCK
+
+
+def test_generate_choices_say_how_many_prompt_tokens_came_from_the_cache(http):
+    prompt = [60, 61, 62, 63, 64, 65, 66, 67, 68, 69]  # each test's prompts start apart
+    first = post(http, "/v1/generate", prompt_ids=prompt, max_tokens=6, temperature=0)
+    [answer] = first["choices"]
+    assert answer["cached_tokens"] == 0
+    # A second turn: the first prompt, its answer, then the user's tokens. The answer's blocks were registered
+    # when it ended: all its written tokens (every one but the newest) in whole blocks.
+    second_turn = prompt + answer["token_ids"] + [99, 100]
+    second = post(http, "/v1/generate", prompt_ids=second_turn, n=2, max_tokens=4, temperature=1.0, seed=3)
+    written = len(prompt) + len(answer["token_ids"]) - 1
+    assert [c["cached_tokens"] for c in second["choices"]] == [whole_blocks(written)] * 2
+    assert whole_blocks(written) >= len(prompt)
+
+
+def test_completions_usage_counts_each_prompts_cached_tokens_once(http):
+    prompt = [30, 31, 32, 33, 34, 35, 36, 37]  # two whole blocks, registered after its prefill
+    first = post(http, "/v1/completions", prompt=prompt, max_tokens=1, temperature=0)
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    fresh = [40, 41, 42, 43, 44, 45]
+    second = post(http, "/v1/completions", prompt=[prompt + [38, 39], fresh], n=2, max_tokens=2, temperature=1.0)
+    assert len(second["choices"]) == 4
+    assert second["usage"]["prompt_tokens"] == 10 + 6
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": len(prompt)}  # not once per sample
+
+
+def test_the_vllm_token_route_counts_the_prompts_cached_tokens_once(http):
+    prompt = [50, 51, 52, 53, 54, 55, 56, 57, 58]
+    post(http, "/inference/v1/generate", token_ids=prompt, sampling_params={"max_tokens": 1, "temperature": 0})
+    again = post(http, "/inference/v1/generate", token_ids=prompt, sampling_params={"n": 3, "max_tokens": 2})
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": whole_blocks(len(prompt) - 1)}
+
+
+def test_a_chat_conversations_second_turn_reads_the_first_from_the_cache(client):
+    messages = [{"role": "user", "content": "Name three colours of the rainbow, please."}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "More"},
+    ]
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # At least the first turn's prompt (the template renders it again, unchanged), in whole blocks.
+    assert cached >= whole_blocks(first.usage.prompt_tokens) > 0 and cached % BLOCK == 0
+    # The same turn again, streamed: now every block of its prompt but the one of its last token is cached.
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert [u.prompt_tokens_details.cached_tokens for u in usage] == [whole_blocks(second.usage.prompt_tokens - 1)]
