@@ -1,16 +1,22 @@
 """Every route says how many prompt tokens came from the prefix cache: `asyncrl inference` with the paged layout
-and the prefix cache on, on a tiny model, driven over HTTP and by the official openai client. A request whose
-tokens start like an earlier prompt or sample (a second turn) reads whole blocks of them from the cache: all
-but the prompt's last token, which its prefill computes for the logits."""
+and the prefix cache on, on a tiny model, driven over HTTP, by the official openai client and by a multi-turn
+environment. A request whose tokens start like an earlier prompt or sample (a second turn) reads whole blocks
+of them from the cache: all but the prompt's last token, which its prefill computes for the logits."""
 
 from __future__ import annotations
+
+import asyncio
 
 import httpx
 import openai
 import pytest
 from servers import free_port, inference_command, running_server  # tests/integration, on sys.path under pytest
 
+from asyncrl.config.schema import SamplingConfig
+from asyncrl.environments import load_environment
+from asyncrl.loading import load_tokenizer
 from asyncrl.models.offline import init_model
+from asyncrl.orchestrator.client import InferenceClient, ServedPolicy
 
 pytestmark = pytest.mark.integration
 
@@ -111,3 +117,39 @@ def test_a_chat_conversations_second_turn_reads_the_first_from_the_cache(client)
     )
     usage = [chunk.usage for chunk in stream if chunk.usage is not None]
     assert [u.prompt_tokens_details.cached_tokens for u in usage] == [whole_blocks(second.usage.prompt_tokens - 1)]
+
+
+def test_every_turn_of_a_multi_turn_episode_reads_the_turn_before_from_the_cache(server, model_dir):
+    """A group's episodes all talk to one server, and each turn's prompt is the previous prompt, its sampled
+    tokens and the environment's tokens: its prefill reads the previous turn's blocks from the cache."""
+
+    class RecordingPolicy(ServedPolicy):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.turns: list[tuple[list[int], list[int], int]] = []  # (prompt, sampled, cached) per sample
+
+        async def generate(self, prompt_ids, n, max_tokens=None, seed=None):
+            completions = await super().generate(prompt_ids, n, max_tokens, seed)
+            self.turns += [(list(prompt_ids), c.token_ids, c.cached_tokens) for c in completions]
+            return completions
+
+    async def play() -> RecordingPolicy:
+        client = InferenceClient(server, None, request_timeout=120)
+        policy = RecordingPolicy(client, load_tokenizer(str(model_dir)), SamplingConfig(max_tokens=8), SEQ_LEN)
+        env = load_environment("wordle", max_turns=3)
+        try:
+            await env.rollout_group(next(env.examples(seed=1)), policy.seeded(0), 2)
+        finally:
+            await client.close()
+        return policy
+
+    turns = asyncio.run(play()).turns
+    later = 0
+    for prompt, _, cached in turns:
+        earlier = [p + s for p, s, _ in turns if len(p + s) < len(prompt) and prompt[: len(p + s)] == p + s]
+        if not earlier:
+            continue  # a first turn
+        later += 1
+        written = max(len(tokens) for tokens in earlier) - 1  # the previous turn's tokens but its newest
+        assert cached >= whole_blocks(written) and cached % BLOCK == 0
+    assert later >= 2, "garbage guesses should keep both games going"

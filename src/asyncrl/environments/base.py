@@ -53,7 +53,8 @@ class Example:
 class Completion:
     """What the policy sampled for one prompt: tokens, their logprobs at the sampling temperature, and the
     policy version that produced each token; for router replay, the experts every token of the prompt and of
-    the completion was routed to (int16 [tokens, MoE layers, k], transport/routing.py)."""
+    the completion was routed to (int16 [tokens, MoE layers, k], transport/routing.py); the prompt tokens the
+    server read from its prefix cache instead of computing them (a later turn's: the turns before it)."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -61,6 +62,7 @@ class Completion:
     finish_reason: str
     prompt_routed_experts: np.ndarray | None = None
     routed_experts: np.ndarray | None = None
+    cached_tokens: int = 0
 
 
 class Policy(Protocol):

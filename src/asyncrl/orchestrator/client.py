@@ -174,6 +174,7 @@ class InferenceClient:
                 c["finish_reason"],
                 prompt_routed,
                 routing.decode(c["routed_experts"]) if "routed_experts" in c else None,
+                c.get("cached_tokens", 0),
             )
             for c in result["choices"]
         ]
