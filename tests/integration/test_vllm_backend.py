@@ -47,7 +47,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.skipif(MISS
 ADMIN_TOKEN = "vllm-test-token"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 SEQ_LEN = 4096  # room for a request long enough to still be running when the test pauses it
-RL_SEQ_LEN = 256
 STARTUP_TIMEOUT = 600  # vLLM compiles its CPU kernels on the first start: minutes on a busy 2-core machine
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "reverse_text"
 VLLM_ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "ASYNCRL_ADMIN_TOKEN": ADMIN_TOKEN}
@@ -319,7 +318,9 @@ def test_vllm_that_does_not_start_in_time_is_one_clear_error_and_is_stopped(tmp_
 
 
 def test_rl_loop_trains_against_vllm(model_dir, tmp_path):
-    """A few steps of `asyncrl rl` with the vLLM backend: the orchestrator, unchanged, drives vLLM. On-policy
+    """A few steps of `asyncrl rl` with the vLLM backend, in the example's own shape (64 rollouts of 8 seeded
+    samples a step, `seq_len` 512: on a CPU vLLM used to split such prefills over steps and then fail to rewind a
+    seeded request's generator): the orchestrator, unchanged, drives vLLM. On-policy
     (max_async_level 0), batch n is sampled from the very weights the trainer holds at step n, so the
     trainer's logprobs must agree with vLLM's (fp32 on both sides): each new version really went live."""
     steps = 3
@@ -327,7 +328,6 @@ def test_rl_loop_trains_against_vllm(model_dir, tmp_path):
     command = [
         sys.executable, "-m", "asyncrl", "rl", "@", str(EXAMPLE / "rl.toml"),
         "--model.name", str(model_dir), "--output-dir", str(output_dir), "--max-steps", str(steps),
-        "--seq-len", str(RL_SEQ_LEN), "--orchestrator.batch-size", "16", "--orchestrator.group-size", "4",
         "--orchestrator.max-async-level", "0",
         "--inference.port", "0", "--inference.backend", "vllm", "--inference.vllm.python", VLLM_PYTHON,
         "--inference.startup-timeout", str(STARTUP_TIMEOUT),

@@ -1,12 +1,15 @@
-"""How much memory the vLLM backend gives vLLM, from our keys (no vLLM needed)."""
+"""What the vLLM backend starts vLLM with (its memory from our keys, its scheduling on a CPU), and how it
+reads vLLM's output for the cause of a failure (no vLLM needed)."""
 
 from __future__ import annotations
+
+import io
 
 import pytest
 
 from asyncrl.config.schema import InferenceConfig
 from asyncrl.errors import AsyncRLError
-from asyncrl.inference.backends.vllm_process import GPU_HEADROOM, vllm_memory_args
+from asyncrl.inference.backends.vllm_process import GPU_HEADROOM, VLLMProcess, cpu_scheduling_args, vllm_memory_args
 from asyncrl.inference.engine.kv_cache import GIB
 
 TOKEN_BYTES = 114688  # Qwen3-0.6B in bfloat16: 28 layers x 8 KV heads x 128 x 2 (key, value) x 2 bytes
@@ -44,3 +47,26 @@ def test_on_a_shared_gpu_vllm_takes_what_it_needs_not_92_percent():
 def test_a_budget_below_one_sequence_is_refused_with_the_fix():
     with pytest.raises(AsyncRLError, match="raise inference.kv_cache_gb or lower inference.seq_len"):
         vllm_memory_args(InferenceConfig(kv_cache_gb=0.001, seq_len=4096), TOKEN_BYTES, WEIGHTS, None)
+
+
+def test_on_a_cpu_no_prefill_is_split_and_the_budget_holds_the_longest_prompt():
+    # a split prefill makes vLLM rewind a seeded request's generator, which a CPU generator cannot do
+    assert cpu_scheduling_args(InferenceConfig(seq_len=512)) == [
+        "--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048"
+    ]  # fmt: skip
+    assert cpu_scheduling_args(InferenceConfig(seq_len=8192))[-1] == "8192"
+
+
+def test_the_newest_exception_vllm_printed_names_its_failure(capsysbinary):
+    output = b"""(APIServer pid=1) WARNING [system_utils.py:255] errors like `OSError: [Errno 24] Too many open files`
+(Worker pid=7) ERROR 12-04 23:12:09 [multiproc_executor.py:1063] Traceback (most recent call last):
+(Worker pid=7) ERROR 12-04 23:12:09 [multiproc_executor.py:1063] RuntimeError: CPU Generator does not use offset
+(APIServer pid=1) ERROR 12-04 23:12:09 [vllm_error.py:54] vllm.v1.engine.exceptions.EngineDeadError: see above
+INFO:     Shutting down
+"""
+    child = VLLMProcess(InferenceConfig())
+    assert child.why() == " (its output is above)"
+    child._relay(io.BytesIO(output))
+    assert child.last_error == "RuntimeError: CPU Generator does not use offset"
+    assert child.why() == "; its last error: RuntimeError: CPU Generator does not use offset (its output is above)"
+    assert capsysbinary.readouterr().out == output  # passed on unchanged

@@ -37,7 +37,7 @@ from asyncrl.errors import AsyncRLError
 from asyncrl.inference.api.api_errors import APIError
 from asyncrl.inference.api.prometheus import prometheus_text
 from asyncrl.inference.backends.backend import WEIGHT_UPDATE_TIMEOUT, Backend
-from asyncrl.inference.backends.vllm_process import VLLMProcess, model_sizes, vllm_memory_args
+from asyncrl.inference.backends.vllm_process import VLLMProcess, cpu_scheduling_args, model_sizes, vllm_memory_args
 from asyncrl.inference.engine.engine import WeightsError, check_weight_values
 from asyncrl.inference.engine.sampling import MIN_TEMPERATURE
 from asyncrl.inference.engine.sequence import Completion, GenerationRequest, TokenCallback
@@ -97,11 +97,11 @@ class VLLMBackend(Backend):
         except httpx.TransportError as error:
             raise self._unreachable(error) from None
         if response.status_code != 200:
-            raise _vllm_error(route, response.status_code, response.text)
+            raise _vllm_error(route, response.status_code, response.text, self.child.last_error)
         return response
 
     def _unreachable(self, error: Exception) -> APIError:
-        return APIError(503, f"vLLM is not reachable ({error}); it may have stopped (see the server log)")
+        return APIError(503, f"vLLM is not reachable ({error}); it may have stopped{self.child.why()}")
 
     async def generate(self, request: GenerationRequest, on_token: TokenCallback | None = None) -> list[Completion]:
         if request.n > 1 and request.temperature < MIN_TEMPERATURE:
@@ -167,7 +167,12 @@ class VLLMBackend(Backend):
         try:
             async with self.http.stream("POST", "/inference/v1/generate", json={**body, "stream": True}) as answer:
                 if answer.status_code != 200:
-                    raise _vllm_error("/inference/v1/generate", answer.status_code, (await answer.aread()).decode())
+                    raise _vllm_error(
+                        "/inference/v1/generate",
+                        answer.status_code,
+                        (await answer.aread()).decode(),
+                        self.child.last_error,
+                    )
                 async for line in answer.aiter_lines():
                     if not line.startswith("data: {"):
                         continue
@@ -255,7 +260,7 @@ class VLLMBackend(Backend):
     def close(self) -> None:
         self.child.stop()
         if self._exit_code is not None:
-            raise AsyncRLError(f"vLLM exited with code {self._exit_code} while serving (its output is above)")
+            raise AsyncRLError(f"vLLM exited with code {self._exit_code} while serving{self.child.why()}")
 
 
 class VLLMSample:
@@ -374,11 +379,15 @@ def vllm_metrics(text: str) -> dict[str, float]:
     return totals
 
 
-def _vllm_error(route: str, status: int, text: str) -> APIError:
+def _vllm_error(route: str, status: int, text: str, last_error: str | None = None) -> APIError:
+    """vLLM's answer as our error; a failure of vLLM's own (5xx) names the newest exception vLLM printed, since
+    its answer rarely says more than that its engine failed."""
     try:
         message = _message(json.loads(text))
     except ValueError:
         message = text[:500] or f"HTTP {status}"
+    if status >= 500 and last_error:
+        message += f" (vLLM's last error: {last_error})"
     return APIError(status if status < 500 else 500, f"vLLM {route}: {message}")
 
 
@@ -400,7 +409,8 @@ def start_vllm(cfg: InferenceConfig) -> VLLMBackend:
     try:
         gpu = child.probe()
         served_config, token_bytes, weight_bytes = model_sizes(cfg.model.name, cfg.model.dtype)
-        child.start(vllm_memory_args(cfg, token_bytes, weight_bytes, gpu))
+        scheduling = cpu_scheduling_args(cfg) if gpu is None else []
+        child.start(vllm_memory_args(cfg, token_bytes, weight_bytes, gpu) + scheduling)
         child.wait_ready(cfg.startup_timeout)
         child.label_version(0)
         return VLLMBackend(child, cfg, served_config)

@@ -7,6 +7,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -14,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, BinaryIO
 
 import httpx
 import torch
@@ -31,6 +32,12 @@ log = logging.getLogger("asyncrl.inference")
 VLLM_SHUTDOWN_TIMEOUT = 15  # seconds vLLM's engine gets to drain and tear down on SIGTERM
 STOP_GRACE = 25.0  # seconds vLLM gets to shut down on SIGTERM before its process group is killed
 GPU_HEADROOM = 2 * GIB  # beyond weights and KV cache: activations, CUDA graphs, the sampler
+# vLLM's own default token budget of a step (its SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS)
+VLLM_DEFAULT_BATCHED_TOKENS = 2048
+# An exception line of vLLM's output: at the start of a line, or after the `[file.py:123] ` of its log prefix.
+ERROR_LINE = re.compile(r"(?:^|\] )((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception)): (.*)$")
+# Errors that only say that another one happened first
+CONSEQUENCES = ("EngineDeadError",)
 # Asks vLLM's Python whether vllm is there and, on a GPU, how much memory is free (JSON on stdout).
 PROBE = """
 import importlib.util, json, sys
@@ -51,6 +58,7 @@ class VLLMProcess:
         self.port = _free_loopback_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
+        self.last_error: str | None = None  # the newest exception line vLLM printed (see ERROR_LINE)
 
     def command(self, memory_args: list[str]) -> list[str]:
         cfg = self.cfg
@@ -126,15 +134,39 @@ class VLLMProcess:
         command = self.command(memory_args)
         log.info("starting vLLM: %s", " ".join(command))
         self.process = subprocess.Popen(
-            command, env=self.environment(), start_new_session=True, preexec_fn=_die_with_parent
+            command,
+            env=self.environment(),
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
         )
+        threading.Thread(
+            target=self._relay, args=(self.process.stdout,), name="asyncrl-vllm-output", daemon=True
+        ).start()
+
+    def _relay(self, output: BinaryIO) -> None:
+        """vLLM's output goes on to ours line by line, as it would unpiped; the newest exception line is kept, so
+        that our errors can name the cause (the console shows only the last lines of a server's log)."""
+        sink = sys.stdout.buffer
+        for line in iter(output.readline, b""):
+            sink.write(line)
+            sink.flush()
+            found = ERROR_LINE.search(line.decode(errors="replace").rstrip())
+            if found and not found.group(1).endswith(CONSEQUENCES):
+                self.last_error = f"{found.group(1).rsplit('.', 1)[-1]}: {found.group(2)}"[:300]
+
+    def why(self) -> str:
+        """What to add to a message about vLLM failing: its newest exception line, where it printed one."""
+        cause = f"; its last error: {self.last_error}" if self.last_error else ""
+        return f"{cause} (its output is above)"
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:
             code = self.process.poll()
             if code is not None:
-                raise AsyncRLError(f"vLLM exited with code {code} while starting (its output is above)")
+                raise AsyncRLError(f"vLLM exited with code {code} while starting{self.why()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
@@ -221,6 +253,19 @@ def vllm_memory_args(
         fraction = min((weight_bytes + kv_bytes + GPU_HEADROOM) / gpu[1], 0.95)
         args += ["--gpu-memory-utilization", f"{fraction:.4f}"]
     return args
+
+
+def cpu_scheduling_args(cfg: InferenceConfig) -> list[str]:
+    """No prefill split over steps on a CPU. vLLM splits a prefill that does not fit a step's token budget, and
+    then rewinds the request's random generator for the token it sampled and threw away, which a CPU generator
+    cannot do: every seeded request (the orchestrator seeds each group) whose prefill was split killed vLLM's
+    engine ("CPU Generator does not use offset"). Unsplit, a prefill that does not fit waits for the next step,
+    and the budget must hold the longest prompt (vLLM configures itself so on CPUs for MLA models)."""
+    return [
+        "--no-enable-chunked-prefill",
+        "--max-num-batched-tokens",
+        str(max(cfg.seq_len, VLLM_DEFAULT_BATCHED_TOKENS)),
+    ]
 
 
 def model_sizes(name: str, dtype: str) -> tuple[dict[str, Any], int, int]:
