@@ -169,6 +169,30 @@ METRICS: list[Metric] = [
         "time since the last batch that dispatch was held back by the off-policy bound",
     ),
     Metric(
+        "time/wait_for_rollouts",
+        ORCH,
+        "seconds",
+        "the batch loop waiting for the queue to hold this batch's scored groups; between the cuts of batches "
+        "n - 1 and n the loop packs and writes batch n - 1 (their time/pack and time/write), logs, then waits, so "
+        "with those two it makes at most time/step",
+    ),
+    Metric(
+        "time/score",
+        ORCH,
+        "seconds",
+        "scoring the batch's rollouts (the rubric's reward functions, or an env-server's /score), summed over "
+        "rollouts; they are scored alongside each other and generation, so it can pass time/step (0 for "
+        "environments that score their own rollouts, as verifiers does)",
+    ),
+    Metric(
+        "time/pack",
+        ORCH,
+        "seconds",
+        "building the batch's trainer rows: its token samples, packed into micro-batches per rank (in a worker "
+        "thread, the event loop runs on)",
+    ),
+    Metric("time/write", ORCH, "seconds", "writing the batch's rollouts/step_n/rank_R files (in the same thread)"),
+    Metric(
         "event_loop_lag_ms/p50",
         ORCH,
         "milliseconds",
@@ -234,6 +258,20 @@ METRICS: list[Metric] = [
         "seconds",
         "gathering the weights and handing them to the transfer (a file write runs on in the background); "
         "with time/wait_for_batch, time/forward_backward and time/optimizer it makes time/step",
+    ),
+    Metric(
+        "time/publish_gather",
+        T,
+        "seconds",
+        "of time/publish: gathering the full weights from the ranks (every rank takes part)",
+    ),
+    Metric(
+        "time/publish_write",
+        T,
+        "seconds",
+        "of time/publish, the rest: waiting for the previous version's background write to end, then rank 0 "
+        "handing this one over (the checkpoint layout and a host copy, then the broadcast sent or the write "
+        "started)",
     ),
     # mixture-of-experts models (docs/models.md): over the step's tokens, all ranks
     Metric(

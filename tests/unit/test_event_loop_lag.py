@@ -1,4 +1,5 @@
-"""The orchestrator's event loop lag: the probe sees a blocked loop, and writing a batch does not block it."""
+"""The orchestrator's event loop lag: the probe sees a blocked loop, and writing a batch does not block it (and
+times its two parts)."""
 
 from __future__ import annotations
 
@@ -63,12 +64,22 @@ def test_writing_a_batch_leaves_the_event_loop_free(tmp_path):
 
     async def write():
         start = time.perf_counter()
-        written["samples"] = await write_batch(batch, cfg, pad_token_id=0)
+        written["batch"] = await write_batch(batch, cfg, pad_token_id=0)
         written["seconds"] = time.perf_counter() - start
 
     stats = run(lag_while(write, EventLoopLag()))
-    assert written["samples"] == 128
+    assert written["batch"].samples == 128
     rows = [read_batch(rank_file(tmp_path, 1, rank)) for rank in (0, 1)]
     assert sum(int(mb.sample_lengths.numel()) for rank in rows for mb in rank) == 128
     # Relative to the write's own duration, so that a loaded machine (late wake-ups for everyone) still passes.
     assert stats["event_loop_lag_ms/max"] < 1000 * written["seconds"] / 2, (stats, written)
+
+
+def test_writing_a_batch_times_its_packing_and_its_files_within_its_own_time(tmp_path):
+    cfg = OrchestratorConfig(output_dir=str(tmp_path), seq_len=4096, num_trainer_ranks=2)
+    start = time.perf_counter()
+    written = run(write_batch(big_batch(groups=4), cfg, pad_token_id=0))
+    seconds = time.perf_counter() - start
+    assert written.samples == 16
+    assert written.pack_seconds > 0 and written.write_seconds > 0
+    assert written.pack_seconds + written.write_seconds <= seconds

@@ -74,6 +74,16 @@ PANELS = [
     Panel("lengths", ("seq_len/mean", "completion_len/mean")),
     Panel("time per step", ("time/step", "time/generate", "time/wait_for_weights", "time/wait_for_batch")),
     Panel(
+        "where the orchestrator's time goes",
+        ("time/wait_for_rollouts", "time/score", "time/pack", "time/write"),
+        "seconds per batch",
+    ),
+    Panel(
+        "where the trainer's time goes",
+        ("time/forward_backward", "time/optimizer", "time/publish", "time/publish_gather", "time/publish_write"),
+        "seconds per step",
+    ),
+    Panel(
         "orchestrator event loop lag",
         ("event_loop_lag_ms/p50", "event_loop_lag_ms/p99", "event_loop_lag_ms/max"),
     ),

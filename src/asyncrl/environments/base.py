@@ -127,6 +127,9 @@ class Rollout:
     reward: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    # Wall time of its scoring (`Environment.score`: the rubric's reward functions, or an env-server's /score
+    # round trip); 0 where an environment builds its rollouts itself (verifiers) and scores them on its own.
+    score_seconds: float = 0.0
 
     @property
     def min_policy_version(self) -> int:
@@ -421,9 +424,11 @@ class Environment:
     ) -> Rollout:
         answers = [m for m in conversation.messages[len(example.prompt) :] if m["role"] == "assistant"]
         text = (answers[-1].get("content") or "") if answers else ""
-        score = None
+        score, score_seconds = None, 0.0
         if error is None:
+            start = time.perf_counter()
             score = await self.score(text, example, state, conversation.messages, conversation.turns, truncated)
+            score_seconds = time.perf_counter() - start
         return Rollout(
             example=example,
             samples=conversation.samples,
@@ -437,4 +442,5 @@ class Environment:
             reward=score.reward if score else 0.0,
             metrics=score.metrics if score else {},
             error=score.error if score else error,
+            score_seconds=score_seconds,
         )

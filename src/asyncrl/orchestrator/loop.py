@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from asyncrl.config.schema import OrchestratorConfig
@@ -74,17 +75,27 @@ async def next_batch(
         await dispatcher.notifier.wait(1.0)
 
 
-async def write_batch(batch: Batch, cfg: OrchestratorConfig, pad_token_id: int) -> int:
-    """Pack batch n into rollouts/step_n/rank_R.safetensors, one file per trainer rank; returns its samples.
+@dataclass(frozen=True)
+class WrittenBatch:
+    samples: int
+    pack_seconds: float  # building the trainer's rows: token samples, then micro-batches per rank
+    write_seconds: float  # writing the rank files
+
+
+async def write_batch(batch: Batch, cfg: OrchestratorConfig, pad_token_id: int) -> WrittenBatch:
+    """Pack batch n into rollouts/step_n/rank_R.safetensors, one file per trainer rank.
     In a thread: a large batch takes seconds of Python to pack and write, which on the event loop would hold
     up every episode in flight (groups keep finishing while it is written, none is touched by it)."""
 
-    def pack_and_write() -> int:
+    def pack_and_write() -> WrittenBatch:
+        start = time.perf_counter()
         samples = batch.samples(cfg.sampling.temperature)
-        for rank, micro_batches in enumerate(pack(samples, cfg.seq_len, cfg.num_trainer_ranks, pad_token_id)):
+        ranks = pack(samples, cfg.seq_len, cfg.num_trainer_ranks, pad_token_id)
+        packed = time.perf_counter()
+        for rank, micro_batches in enumerate(ranks):
             path = rollout_files.rank_file(cfg.output_dir, batch.step, rank)
             rollout_files.write_batch(path, micro_batches, {"step": batch.step})
-        return len(samples)
+        return WrittenBatch(len(samples), packed - start, time.perf_counter() - packed)
 
     return await asyncio.to_thread(pack_and_write)
 
@@ -154,10 +165,12 @@ async def orchestrate(cfg: OrchestratorConfig) -> None:
         last_cut, empty = time.time(), 0
         for step in range(done + 1, cfg.max_steps + 1):
             evals.start(step)  # alongside the rollouts of this batch, on the weights the servers hold now
+            waiting = time.perf_counter()
             batch = await next_batch(step, cutter, dispatcher, background, cfg.wait_timeout)
+            waited = time.perf_counter() - waiting
             cut_at = time.time()
             dispatcher.batch_cut(step)
-            num_samples = await write_batch(batch, cfg, tokenizer.pad_token_id or 0)
+            written = await write_batch(batch, cfg, tokenizer.pad_token_id or 0)
 
             pool_stats = pool.take_stats()
             generated = sum(
@@ -165,7 +178,7 @@ async def orchestrate(cfg: OrchestratorConfig) -> None:
             )
             first_sent = min(g.dispatched_at for g in batch.groups) if batch.groups else cut_at
             record = {
-                **batch_metrics(batch, num_samples),
+                **batch_metrics(batch, written.samples),
                 **dispatcher.take_stats(),
                 **pool_stats,
                 **lag.take_stats(),
@@ -175,6 +188,10 @@ async def orchestrate(cfg: OrchestratorConfig) -> None:
                 "perf/generate_tokens_per_s": generated,
                 "time/step": cut_at - last_cut,
                 "time/generate": cut_at - first_sent,
+                "time/wait_for_rollouts": waited,
+                "time/score": sum(r.score_seconds for r in batch.rollouts),
+                "time/pack": written.pack_seconds,
+                "time/write": written.write_seconds,
                 "timestamp/generate_start": first_sent,
                 "timestamp/generate_end": cut_at,
             }

@@ -15,6 +15,7 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -139,13 +140,20 @@ def train_step(
     return metrics
 
 
+class PublishSeconds(NamedTuple):
+    gather: float  # gathering the full tensors, all ranks
+    write: float  # waiting for the previous version's write, then handing this one over (rank 0)
+
+
 def publish_weights(
     model: torch.nn.Module, tokenizer, cfg: TrainerConfig, step: int, world: World, publisher: FolderPublisher
-) -> None:
+) -> PublishSeconds:
     """Publish policy version `step`: the whole model, or with LoRA only the adapter, by the run's weight
     transfer (transport/transfer.py). A collective: every rank takes part in gathering the tensors; rank 0
     sends them, or hands them to the publisher's background write and returns."""
+    start = time.perf_counter()
     publisher.wait()  # the last version is on disk before this one is gathered: host memory holds one copy
+    gather_start = time.perf_counter()
     lora = is_lora(model)
     on_device = not lora and publisher.gather_on_device and world.device.type == "cuda"
     if lora:
@@ -153,16 +161,18 @@ def publish_weights(
     elif on_device:
         # Gathered on the GPU, not through host memory: the sender broadcasts from there.
         state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        torch.cuda.synchronize(world.device)  # the gather's time, not the broadcast's
     else:
         state_dict = full_state_dict(model)
-    if not world.is_main:
-        return
-    if not lora:  # the Hugging Face checkpoint layout (one matrix per expert), as every reader expects
-        state_dict = checkpoint_state_dict(model.config, state_dict)
-    if not on_device:  # the folder is written in the background while the next step changes the model
-        state_dict = apart_from(model, state_dict)
-    adapter = adapter_config(model) if lora else None
-    publisher.publish(step, state_dict, model.config, tokenizer, adapter, last=step == cfg.max_steps)
+    gathered = time.perf_counter()
+    if world.is_main:
+        if not lora:  # the Hugging Face checkpoint layout (one matrix per expert), as every reader expects
+            state_dict = checkpoint_state_dict(model.config, state_dict)
+        if not on_device:  # the folder is written in the background while the next step changes the model
+            state_dict = apart_from(model, state_dict)
+        adapter = adapter_config(model) if lora else None
+        publisher.publish(step, state_dict, model.config, tokenizer, adapter, last=step == cfg.max_steps)
+    return PublishSeconds(gathered - gather_start, (gather_start - start) + (time.perf_counter() - gathered))
 
 
 def train(cfg: TrainerConfig) -> int:
@@ -223,7 +233,7 @@ def train(cfg: TrainerConfig) -> int:
                 torch.cuda.synchronize(world.device)  # the optimizer's time, not the publish's
             optimizer_end = time.time()
 
-            publish_weights(model, tokenizer, cfg, step, world, publisher)
+            published = publish_weights(model, tokenizer, cfg, step, world, publisher)
             train_end = time.time()
             # Every rank read its file before joining the collective in publish_weights, so rank 0 may
             # delete the whole step folder now.
@@ -242,6 +252,8 @@ def train(cfg: TrainerConfig) -> int:
                         "time/forward_backward": backward_end - train_start,
                         "time/optimizer": optimizer_end - backward_end,
                         "time/publish": train_end - optimizer_end,
+                        "time/publish_gather": published.gather,
+                        "time/publish_write": published.write,
                         "timestamp/train_start": train_start,
                         "timestamp/train_end": train_end,
                     }
