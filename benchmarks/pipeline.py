@@ -16,6 +16,12 @@ compilation), and over the rest it reports, from metrics.jsonl:
     vs sync          trained tok/s against the max_async_level = 0 run with the same number of servers
 
 All cases run one after the other in this one invocation, so they are compared on the same machine.
+
+`--profile DIR` also writes a torch.profiler Chrome trace of each case's steps `skip` + 2 and `skip` + 3
+(the step after `skip` warms the profiler up): DIR/level<L>_replicas<R>/trainer_rank_<r>.json from every
+trainer rank and orchestrator.json, which records every Python call of the orchestrator (the
+`trainer.profile` and `orchestrator.profile` options, docs/trainer.md). Tracing slows those steps, so take
+the figures from a run without it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from pathlib import Path
 from shapes import build_model  # benchmarks/, the script's own folder
 
 HERE = Path(__file__).resolve().parent
+PROFILED_STEPS = 2  # with --profile: traced steps of each case, after `skip` and one to warm the profiler up
 
 
 def run_case(args, model: Path, root: Path, level: int, replicas: int) -> dict:
@@ -57,6 +64,11 @@ def run_case(args, model: Path, root: Path, level: int, replicas: int) -> dict:
     ]  # fmt: skip
     if args.device == "cpu":
         argv += ["--deployment.inference-device", "cpu", "--deployment.trainer-device", "cpu"]
+    if args.profile is not None:
+        for process in ("trainer", "orchestrator"):
+            argv += [f"--{process}.profile.dir", str(args.profile.resolve() / output_dir.name),
+                     f"--{process}.profile.wait", str(args.skip), f"--{process}.profile.warmup", "1",
+                     f"--{process}.profile.active", str(PROFILED_STEPS)]  # fmt: skip
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
@@ -119,8 +131,14 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per case")
     parser.add_argument("--out", type=Path, default=None, help="also write the figures as JSON here")
+    parser.add_argument(
+        "--profile", type=Path, default=None, help="also write torch.profiler traces of each case's trainer and "
+        "orchestrator here, one folder per case (it slows the traced steps)",
+    )  # fmt: skip
     parser.add_argument("extra", nargs="*", help="more `asyncrl rl` flags for every case, after --")
     args = parser.parse_args()
+    if args.profile is not None and args.skip + 1 + PROFILED_STEPS > args.steps:
+        parser.error(f"--profile traces steps {args.skip + 2}-{args.skip + 1 + PROFILED_STEPS}: raise --steps")
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
 
     root = Path(tempfile.mkdtemp(prefix="pipeline_"))

@@ -1,8 +1,10 @@
 """The orchestrator's batch loop on its own, against a real `asyncrl inference` on a tiny model: with
 max_async_level as large as the run is long no batch waits for new weights, so no trainer is needed. It
-times where its time goes."""
+times where its time goes, and traces a few batches with torch.profiler."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from servers import free_port, inference_command, running_server  # tests/integration, on sys.path under pytest
@@ -20,7 +22,7 @@ PARTS = ("time/wait_for_rollouts", "time/score", "time/pack", "time/write")
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """Three batches of reverse_text."""
+    """Three batches of reverse_text, the last two traced (after one batch of the profiler's warm-up)."""
     root = tmp_path_factory.mktemp("orchestrator")
     init_model(root / "tiny", "tiny", seed=0)
     port = free_port()
@@ -36,6 +38,7 @@ def run(tmp_path_factory):
             seq_len=128,
             sampling={"max_tokens": 8},
             samples_per_step=0,
+            profile={"dir": root / "run" / "profile", "wait": 0, "warmup": 1, "active": 2},
         )
         run_orchestrator(cfg)
     return root / "run"
@@ -55,3 +58,11 @@ def test_the_batch_loop_times_waiting_scoring_packing_and_writing(run):
         before = logged.get(step - 1, {"time/pack": 0.0, "time/write": 0.0})
         loop = batch["time/wait_for_rollouts"] + before["time/pack"] + before["time/write"]
         assert loop <= batch["time/step"], (step, batch, before)
+
+
+def test_a_profiled_orchestrator_writes_a_chrome_trace_with_its_python_calls(run):
+    trace = json.loads((run / "profile" / "orchestrator.json").read_text())
+    names = {event.get("name", "") for event in trace["traceEvents"]}
+    assert {"ProfilerStep#1", "ProfilerStep#2"} <= names and "ProfilerStep#0" not in names
+    # Packing runs in a worker thread: every thread is traced, Python calls included.
+    assert any("orchestrator/packing.py(" in name and name.endswith(": pack") for name in names)

@@ -80,15 +80,18 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_model) -> dict[int | str, Path]:
-    """The same three global batches trained on 1 rank, on 2 ranks, and on 2 "nodes" of one rank each (two
-    torchrun agents meeting at a c10d rendezvous on loopback, as on two machines)."""
+    """The same three global batches trained on 1 rank, on 2 ranks (its steps 2 and 3 traced by torch.profiler,
+    into `profile/`), and on 2 "nodes" of one rank each (two torchrun agents meeting at a c10d rendezvous on
+    loopback, as on two machines)."""
     args = ["trainer", "--model.name", str(tiny_model), "--max-steps", str(STEPS), "--optim.lr", "1e-3",
             "--num-threads", "1", "--device", "cpu", "--keep-weights", "2", "--wait-timeout", "60"]  # fmt: skip
     runs: dict[int | str, Path] = {}
     for world_size in (1, 2):
         output_dir = tmp_path_factory.mktemp(f"world{world_size}")
         write_rollouts(output_dir, world_size)
-        run_asyncrl([*args, "--output-dir", str(output_dir)], nproc=world_size)
+        profile = ["--profile.dir", str(output_dir / "profile"), "--profile.wait", "0", "--profile.warmup", "1",
+                   "--profile.active", "2"] if world_size == 2 else []  # fmt: skip
+        run_asyncrl([*args, "--output-dir", str(output_dir), *profile], nproc=world_size)
         runs[world_size] = output_dir
     runs["two_nodes"] = output_dir = tmp_path_factory.mktemp("two_nodes")
     write_rollouts(output_dir, 2)
@@ -186,6 +189,15 @@ def test_the_step_time_breaks_down_into_its_parts(trained):
         assert m["time/publish_gather"] + m["time/publish_write"] == pytest.approx(
             m["time/publish"], rel=0.02, abs=1e-3
         )
+
+
+def test_a_profiled_trainer_writes_a_chrome_trace_of_its_traced_steps_from_each_rank(trained):
+    for rank in (0, 1):
+        trace = json.loads((trained[2] / "profile" / f"trainer_rank_{rank}.json").read_text())
+        names = {event.get("name") for event in trace["traceEvents"]}
+        assert {"ProfilerStep#1", "ProfilerStep#2"} <= names, rank  # the two active steps, after one of warm-up
+        assert "ProfilerStep#0" not in names, rank
+        assert {"aten::mm", "Optimizer.step#AdamW.step"} <= names, rank  # the step's matrix products, its AdamW
 
 
 def test_trainer_names_the_missing_rollout_file(tmp_path, tiny_model):

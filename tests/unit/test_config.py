@@ -177,3 +177,10 @@ def test_rl_serves_inference_on_free_ports_by_default_and_asyncrl_inference_on_8
         assert cfg.inference.port == 0
         replicas, _, _ = resolve(cfg)
         assert len({r.port for r in replicas}) == 2 and all(r.port > 0 for r in replicas)
+
+
+def test_a_profile_longer_than_the_run_is_refused_and_one_that_fits_is_kept():
+    with pytest.raises(ConfigError, match="max_steps = 4: the run would end before its trace is whole"):
+        load(RLConfig, ["--max-steps", "4", "--trainer.profile.dir", "traces"])
+    cfg, _ = load(RLConfig, ["--max-steps", "5", "--orchestrator.profile.dir", "traces"])
+    assert cfg.orchestrator.profile.dir == Path("traces") and cfg.trainer.profile.dir is None

@@ -162,6 +162,27 @@ class CheckpointConfig(Config):
     keep_last: int = Field(2, ge=1, description="newest complete checkpoints kept; older ones are deleted")
 
 
+class ProfileConfig(Config):
+    """A torch.profiler Chrome trace of a few steps of one process (asyncrl/step_profiler.py)."""
+
+    dir: Path | None = Field(
+        None,
+        description="folder for a torch.profiler Chrome trace of a few steps: trainer_rank_R.json from each trainer "
+        "rank, orchestrator.json (every Python call too) from the orchestrator; unset: no profiling",
+    )
+    wait: int = Field(2, ge=0, description="steps first run untraced (start-up, compilation)")
+    warmup: int = Field(1, ge=0, description="steps then traced and thrown away (the profiler's own start-up)")
+    active: int = Field(2, ge=1, description="steps then kept in the trace")
+
+    def check_fits(self, max_steps: int) -> None:
+        steps = self.wait + self.warmup + self.active
+        if self.dir is not None and steps > max_steps:
+            raise ValueError(
+                f"profile.wait + profile.warmup + profile.active = {steps} steps, past max_steps = {max_steps}: "
+                "the run would end before its trace is whole (lower profile.wait or profile.active)"
+            )
+
+
 class WandbConfig(Config):
     """Weights & Biases: one W&B run per asyncrl run, every process's metrics in it (docs/dashboard.md)."""
 
@@ -499,6 +520,12 @@ class OrchestratorConfig(Config):
     resume: Resume = None
     weight_transfer: WeightTransferConfig = WeightTransferConfig()
     admin_token: str | None = Field(None, description="default: the ASYNCRL_ADMIN_TOKEN environment variable")
+    profile: ProfileConfig = ProfileConfig()
+
+    @model_validator(mode="after")
+    def _profile_fits_the_run(self) -> OrchestratorConfig:
+        self.profile.check_fits(self.max_steps)
+        return self
 
     @model_validator(mode="after")
     def _groups_fill_batch(self) -> OrchestratorConfig:
@@ -593,6 +620,12 @@ class TrainerConfig(Config):
     ckpt: CheckpointConfig = CheckpointConfig()
     resume: Resume = None
     weight_transfer: WeightTransferConfig = WeightTransferConfig()
+    profile: ProfileConfig = ProfileConfig()
+
+    @model_validator(mode="after")
+    def _profile_fits_the_run(self) -> TrainerConfig:
+        self.profile.check_fits(self.max_steps)
+        return self
 
     def rollout_files(self, ranks: int) -> int:
         """Rollout files per step for `ranks` trainer ranks: one per context-parallel group (its `cp` ranks read

@@ -39,6 +39,7 @@ from asyncrl.orchestrator.queue import RolloutQueue
 from asyncrl.orchestrator.sample_log import sample_record
 from asyncrl.orchestrator.sampler import EnvironmentSampler
 from asyncrl.preflight import check_prompt_lengths
+from asyncrl.step_profiler import StepProfiler
 from asyncrl.transport import rollouts as rollout_files
 from asyncrl.transport.transfer import update_source
 
@@ -163,6 +164,7 @@ async def orchestrate(cfg: OrchestratorConfig) -> None:
             asyncio.create_task(dispatcher.run(), name="dispatcher"),
         ]
         last_cut, empty = time.time(), 0
+        profiler = StepProfiler(cfg.profile, "orchestrator", python_calls=True)
         for step in range(done + 1, cfg.max_steps + 1):
             evals.start(step)  # alongside the rollouts of this batch, on the weights the servers hold now
             waiting = time.perf_counter()
@@ -222,6 +224,8 @@ async def orchestrate(cfg: OrchestratorConfig) -> None:
                     [checkpoint.pending_group(t.index, t.label, t.example) for t in dispatcher.pending()],
                 )
                 await asyncio.to_thread(checkpoint.save, output_dir, saved, list(queue))
+            profiler.step()
+        profiler.stop()
         await evals.finish(cfg.wait_timeout)
     finally:
         groups = [t.task for t in dispatcher.inflight.values()] if dispatcher is not None else []

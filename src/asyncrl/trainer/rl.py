@@ -27,6 +27,7 @@ from asyncrl.loading import DTYPES, load_tokenizer
 from asyncrl.metrics import MetricsLogger
 from asyncrl.models.checkpoint import checkpoint_state_dict
 from asyncrl.progress import timed
+from asyncrl.step_profiler import StepProfiler
 from asyncrl.trainer import checkpoint
 from asyncrl.trainer.checkpoint import TrainerProgress
 from asyncrl.trainer.distributed import World, all_reduce_sum, check_same_count, close_distributed, init_distributed
@@ -213,6 +214,7 @@ def train(cfg: TrainerConfig) -> int:
             )
 
         save_seconds = None  # the last checkpoint save's time: the next one's ETA
+        profiler = StepProfiler(cfg.profile, f"trainer_rank_{world.rank}", world.device.type)
         for step in range(done + 1, cfg.max_steps + 1):
             step_start = time.time()
             rollouts = data_rank(world.rank, cfg.cp)
@@ -271,6 +273,8 @@ def train(cfg: TrainerConfig) -> int:
                 save_seconds = time.monotonic() - save_start
                 if world.is_main:
                     checkpoints.prune(cfg.output_dir, checkpoints.RL_PARTS, cfg.ckpt.keep_last)
+            profiler.step()
+        profiler.stop()
         publisher.wait()  # the last version on disk
         return 0
     finally:
