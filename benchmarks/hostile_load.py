@@ -15,8 +15,9 @@ twice, side by side in one run:
 A good request is a one-message chat completion of --good-tokens greedy tokens. The phase ends when every
 hostile client has its answer (each a 400: too long for `seq_len`) and at least --min-good good answers are in.
 Goals (on an idle machine): a good request answered in at most 2 s, /health in at most 100 ms, both at their
-worst over the hostile phase. Each repeat starts a fresh server; the table shows the median of the repeats'
-figures.
+worst over the hostile phase. Each repeat starts a fresh server for each setting of --chat-processes (by
+default 0, the server's own threads preparing large chat bodies, and 2 worker processes), interleaved; the
+table shows the median of the repeats' figures per setting.
 """
 
 from __future__ import annotations
@@ -63,11 +64,11 @@ def many_messages_body(size: int) -> bytes:
     return json.dumps({"messages": [{"role": "user", "content": "hi"}] * count}).encode()
 
 
-def start_server(model: Path, port: int, args: argparse.Namespace, log: Path) -> subprocess.Popen:
+def start_server(model: Path, port: int, args: argparse.Namespace, chat_processes: int, log: Path) -> subprocess.Popen:
     command = [
         sys.executable, "-m", "asyncrl", "inference", "--model.name", str(model), "--port", str(port),
         "--seq-len", str(args.seq_len), "--num-threads", "1", "--device", "cpu",
-        "--max-request-bytes", str(args.max_request_bytes),
+        "--max-request-bytes", str(args.max_request_bytes), "--chat-processes", str(chat_processes),
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
@@ -139,10 +140,10 @@ async def phase(url: str, args: argparse.Namespace, hostile: int, leavers: int) 
             await asyncio.sleep(0.05)
         done.set()
         await asyncio.gather(*watchers)
-        stopped = next(
-            (line.split()[-1] for line in (await prober.get("/metrics")).text.splitlines()
-             if line.startswith("asyncrl_inference_prompts_stopped_total")),
-            "?",
+        counters = ("asyncrl_inference_prompts_stopped_total ", "asyncrl_inference_chat_process_bodies_stopped_total ")
+        stopped = sum(
+            float(line.split()[-1]) for line in (await prober.get("/metrics")).text.splitlines()
+            if line.startswith(counters)
         )  # fmt: skip
     return {
         "good_p50": statistics.median(good),
@@ -167,51 +168,64 @@ def main() -> None:
     parser.add_argument("--good-tokens", type=int, default=16, help="greedy tokens per good request")
     parser.add_argument("--min-good", type=int, default=5, help="good answers measured at least, per phase")
     parser.add_argument("--repeats", type=int, default=3, help="fresh servers, each measured idle then hostile")
+    parser.add_argument(
+        "--chat-processes",
+        default="0,2",
+        help="server settings of inference.chat_processes to compare, each on fresh servers (0: the server's threads)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    runs: list[dict[str, dict]] = []
+    settings = [int(value) for value in args.chat_processes.split(",")]
+    runs: dict[int, list[dict[str, dict]]] = {setting: [] for setting in settings}
     with tempfile.TemporaryDirectory() as scratch:
         model = Path(scratch) / "tiny"
         init_model(model, "tiny", seed=0)
         for repeat in range(args.repeats):
-            port = free_port()
-            server = start_server(model, port, args, Path(scratch) / f"server_{repeat}.log")
-            try:
-                url = f"http://127.0.0.1:{port}"
-                idle = asyncio.run(phase(url, args, 0, 0))
-                hostile = asyncio.run(phase(url, args, args.hostile, args.leavers))
-            finally:
-                server.terminate()
-                server.wait(30)
-            runs.append({"idle": idle, "hostile": hostile})
-            print(
-                f"repeat {repeat + 1}: hostile clients' answers {hostile['statuses']}, {hostile['crowd_s']:.1f} s; "
-                f"prompts stopped {hostile['prompts_stopped']}; good requests {hostile['good_count']}",
-                flush=True,
-            )
+            for setting in settings:  # interleaved, so that a noisy minute hurts both alike
+                port = free_port()
+                server = start_server(model, port, args, setting, Path(scratch) / f"server_{repeat}_{setting}.log")
+                try:
+                    url = f"http://127.0.0.1:{port}"
+                    idle = asyncio.run(phase(url, args, 0, 0))
+                    hostile = asyncio.run(phase(url, args, args.hostile, args.leavers))
+                finally:
+                    server.terminate()
+                    server.wait(30)
+                runs[setting].append({"idle": idle, "hostile": hostile})
+                print(
+                    f"repeat {repeat + 1}, chat_processes {setting}: hostile clients' answers {hostile['statuses']}, "
+                    f"{hostile['crowd_s']:.1f} s; prompts stopped {hostile['prompts_stopped']:g}; good requests "
+                    f"{hostile['good_count']}",
+                    flush=True,
+                )
 
-    def median(name: str, key: str) -> float:
-        return statistics.median(run[name][key] for run in runs)
+    def median(setting: int, name: str, key: str) -> float:
+        return statistics.median(run[name][key] for run in runs[setting])
 
     print(
         f"\n{args.hostile} hostile clients (bodies just under {args.max_request_bytes:,} bytes) + {args.leavers} that"
-        f" leave after {args.leave_after:g} s; seq_len {args.seq_len}; median of {len(runs)} fresh servers"
+        f" leave after {args.leave_after:g} s; seq_len {args.seq_len}; median of {args.repeats} fresh servers each"
     )
-    print(f"{'phase':<9} {'good p50':>9} {'good max':>9} {'health p50':>11} {'health p99':>11} {'health max':>11}")
-    for name in ("idle", "hostile"):
-        print(
-            f"{name:<9} {median(name, 'good_p50'):>8.3f}s {median(name, 'good_max'):>8.3f}s "
-            f"{median(name, 'health_p50') * 1000:>9.1f}ms {median(name, 'health_p99') * 1000:>9.1f}ms "
-            f"{median(name, 'health_max') * 1000:>9.1f}ms"
-        )
-    good, health = median("hostile", "good_max"), median("hostile", "health_max")
     print(
-        f"goals under load: good request <= {GOAL_GOOD_S:g} s: {good:.3f} s "
-        f"({'met' if good <= GOAL_GOOD_S else 'NOT met'});"
-        f" /health <= {GOAL_HEALTH_S * 1000:g} ms: {health * 1000:.1f} ms "
-        f"({'met' if health <= GOAL_HEALTH_S else 'NOT met'})"
+        f"{'chat_processes':<15} {'phase':<9} {'good p50':>9} {'good max':>9} {'health p50':>11} {'health p99':>11} "
+        f"{'health max':>11}"
     )
+    for setting in settings:
+        for name in ("idle", "hostile"):
+            print(
+                f"{setting:<15} {name:<9} {median(setting, name, 'good_p50'):>8.3f}s "
+                f"{median(setting, name, 'good_max'):>8.3f}s {median(setting, name, 'health_p50') * 1000:>9.1f}ms "
+                f"{median(setting, name, 'health_p99') * 1000:>9.1f}ms "
+                f"{median(setting, name, 'health_max') * 1000:>9.1f}ms"
+            )
+    for setting in settings:
+        good, health = median(setting, "hostile", "good_max"), median(setting, "hostile", "health_max")
+        print(
+            f"chat_processes {setting}, goals under load: good request <= {GOAL_GOOD_S:g} s: {good:.3f} s "
+            f"({'met' if good <= GOAL_GOOD_S else 'NOT met'}); /health <= {GOAL_HEALTH_S * 1000:g} ms: "
+            f"{health * 1000:.1f} ms ({'met' if health <= GOAL_HEALTH_S else 'NOT met'})"
+        )
 
 
 if __name__ == "__main__":

@@ -723,6 +723,38 @@ def test_a_large_body_is_validated_like_a_small_one(http, route):
     assert_openai_error(http.post(route, content=b"{" + b" " * 8192), 400)  # not JSON
 
 
+def test_a_chat_body_over_64_kib_is_prepared_in_a_worker_process_as_the_server_would(http, tokenizer):
+    """Past 64 KiB a chat body is decoded, validated and rendered in a worker process (chat_processes.py): the
+    same answer as the server's own path, and the same 400s."""
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "abc"}]
+    padding = "x" * 70_000  # a field outside OpenAI's API: ignored, but it makes the body large
+    before = metric(http, "chat_process_bodies_total")
+    answers = []
+    for extra in ({}, {"padding": padding}):
+        body = {"messages": conversation, "max_tokens": 6, "temperature": 0.0, **extra}
+        response = http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        answers.append(response.json())
+    assert metric(http, "chat_process_bodies_total") == before + 1  # the large one only
+    small, large = answers
+    assert large["choices"][0]["message"] == small["choices"][0]["message"]
+    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    expected = len(tokenizer.encode(text, add_special_tokens=False))
+    assert large["usage"]["prompt_tokens"] == small["usage"]["prompt_tokens"] == expected
+
+    for extra, param in [
+        ({"temperature": "hot"}, "temperature"),  # validation
+        ({"audio": {"voice": "x"}}, "audio"),  # a field this server does not do
+        ({"messages": [{"role": "user", "content": "ab\ud800cd"}]}, "messages"),  # no tokenizer encodes it
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ]:
+        body = {"messages": conversation, "padding": padding, **extra}
+        raw = json.dumps(body)  # the lone surrogate as JSON writes it: \ud800
+        response = http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+        assert assert_openai_error(response, 400)["param"] == param, response.text
+    assert_openai_error(http.post("/v1/chat/completions", content=b"{" + b" " * 70_000), 400)  # not JSON
+
+
 @pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b'"text"', b"\xff\xfe", b""])
 def test_a_body_that_is_not_a_json_object_is_a_400(http, body):
     assert_openai_error(http.post("/v1/chat/completions", content=body), 400)

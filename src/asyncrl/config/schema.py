@@ -420,6 +420,12 @@ class InferenceConfig(Config):
     max_n: int = Field(
         128, ge=1, description="most samples one request may ask for (n, times the prompts of /v1/completions)"
     )
+    chat_processes: int = Field(
+        2,
+        ge=0,
+        description="worker processes that decode, validate and render chat bodies over 64 KiB, away from the "
+        "server's GIL (started on the first such body); 0: the server's own threads do it",
+    )
     max_stop_strings: int = Field(16, ge=0, description="most stop strings one request may give")
     max_stop_string_length: int = Field(64, ge=1, description="longest stop string, in characters")
 

@@ -27,6 +27,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from asyncrl.config.schema import InferenceConfig
 from asyncrl.inference.api.api_errors import APIError
 from asyncrl.inference.api.bodies import parsed_body
+from asyncrl.inference.api.chat_processes import ChatProcesses
+from asyncrl.inference.api.chat_template import render_chat
 from asyncrl.inference.api.disconnect import unless_disconnected
 from asyncrl.inference.api.limits import PromptTextLimit, admit
 from asyncrl.inference.api.prompts import PromptTokenizer
@@ -35,7 +37,6 @@ from asyncrl.inference.api.protocol import (
     NamedToolChoice,
     check_model,
     check_supported,
-    check_unicode,
     in_thread,
     prompt_cached_tokens,
     stop_strings,
@@ -63,6 +64,14 @@ class ToolPlan:
 
 
 @dataclass
+class PreparedChat:
+    """A request's body, and its prompt text where a chat-body worker process already rendered it."""
+
+    body: ChatBody
+    text: str | None = None
+
+
+@dataclass
 class ChatChoice:
     """One choice of the answer: its text split into content and calls, and the tokens its text covers."""
 
@@ -72,9 +81,20 @@ class ChatChoice:
     finish_reason: str
 
 
-def chat_routes(backend: Backend, cfg: InferenceConfig, model_name: str, prompt_work: PromptTokenizer) -> APIRouter:
+def chat_routes(
+    backend: Backend, cfg: InferenceConfig, model_name: str, prompt_work: PromptTokenizer, processes: ChatProcesses
+) -> APIRouter:
     router = APIRouter()
-    chat_body = Depends(parsed_body(ChatBody, prompt_work.workers, check_supported))
+    parse = parsed_body(ChatBody, prompt_work.workers, check_supported)
+
+    async def prepare(raw: Request) -> PreparedChat:
+        """A large body is decoded, validated and rendered in a worker process (chat_processes.py)."""
+        content = await raw.body()
+        if processes.takes(len(content)):
+            return PreparedChat(*await unless_disconnected(raw, processes.prepare(content)))
+        return PreparedChat(await parse(raw))
+
+    chat_body = Depends(prepare)
     tokenizer = backend.tokenizer
     text_limit = PromptTextLimit(tokenizer, cfg.seq_len)
     tokens = TokenText(tokenizer)
@@ -110,21 +130,12 @@ def chat_routes(backend: Backend, cfg: InferenceConfig, model_name: str, prompt_
             raise APIError(400, f"tool_choice names '{name}', which is not among the tools", "tool_choice")
         return ToolPlan(frozenset([name]), tool_format.prefill(name), f"'{name}'", body.parallel_tool_calls)
 
-    async def chat_prompt(body: ChatBody, plan: ToolPlan, max_tokens: int | None, body_bytes: int) -> list[int]:
+    async def chat_prompt(chat: PreparedChat, plan: ToolPlan, max_tokens: int | None, body_bytes: int) -> list[int]:
         if tokenizer.chat_template is None:
             raise APIError(400, f"model {model_name} has no chat template (use /v1/completions)", "messages")
-
-        def render() -> str:
-            messages = [message.for_template() for message in body.messages]
-            check_unicode({"messages": messages, "tools": body.tools}, "messages")
-            try:
-                return tokenizer.apply_chat_template(
-                    messages, tools=body.tools, add_generation_prompt=True, tokenize=False
-                )
-            except Exception as error:  # noqa: BLE001 - a template error is the request's fault
-                raise APIError(400, f"messages do not fit the chat template: {error}", "messages") from None
-
-        text = await prompt_work.prepare(body_bytes, render)
+        text = chat.text
+        if text is None:
+            text = await prompt_work.prepare(body_bytes, lambda: render_chat(tokenizer, chat.body))
         text_limit.check(text, "messages")
         return await prompt_work.tokenize(text + plan.prefill, body_bytes, max_tokens, special_tokens=False)
 
@@ -207,11 +218,12 @@ def chat_routes(backend: Backend, cfg: InferenceConfig, model_name: str, prompt_
         }
 
     @router.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(raw: Request, body: ChatBody = chat_body) -> Response:
+    async def chat_completions(raw: Request, chat: PreparedChat = chat_body) -> Response:
+        body = chat.body
         check_model(body.model, model_name)
         plan = tool_plan(body)
         asked = body.max_completion_tokens or body.max_tokens
-        prompt_ids = await unless_disconnected(raw, chat_prompt(body, plan, asked, len(await raw.body())))
+        prompt_ids = await unless_disconnected(raw, chat_prompt(chat, plan, asked, len(await raw.body())))
         max_tokens = asked or max(cfg.seq_len - len(prompt_ids), 1)
         request = GenerationRequest(
             prompt_ids=prompt_ids,

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from asyncrl.config.schema import InferenceConfig
 from asyncrl.inference.api.api_errors import APIError
 from asyncrl.inference.api.bodies import parsed_body
+from asyncrl.inference.api.chat_processes import ChatProcesses
 from asyncrl.inference.api.chat_routes import chat_routes
 from asyncrl.inference.api.disconnect import unless_disconnected
 from asyncrl.inference.api.limits import PromptTextLimit, admit
@@ -44,11 +45,13 @@ from asyncrl.inference.engine.sequence import Completion, GenerationRequest
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of seq_len
 
 
-def openai_routes(backend: Backend, cfg: InferenceConfig, model_name: str, workers: PromptWorkers) -> APIRouter:
+def openai_routes(
+    backend: Backend, cfg: InferenceConfig, model_name: str, workers: PromptWorkers, chat_processes: ChatProcesses
+) -> APIRouter:
     router = APIRouter()
     prompt_work = PromptTokenizer(backend.tokenizer, workers, cfg.seq_len)
     completion_body = Depends(parsed_body(CompletionBody, workers, check_supported))
-    router.include_router(chat_routes(backend, cfg, model_name, prompt_work))
+    router.include_router(chat_routes(backend, cfg, model_name, prompt_work, chat_processes))
     tokenizer = backend.tokenizer
     text_limit = PromptTextLimit(tokenizer, cfg.seq_len)
     tokens = TokenText(tokenizer)

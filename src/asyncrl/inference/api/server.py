@@ -14,12 +14,13 @@ The HTTP layer only translates; it never touches tensors. Its parts:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import uvicorn
@@ -32,6 +33,7 @@ from asyncrl.errors import AsyncRLError
 from asyncrl.inference.api.admin_routes import admin_routes
 from asyncrl.inference.api.api_errors import error_response, install_error_handlers
 from asyncrl.inference.api.auth import api_key_guard, warn_if_exposed
+from asyncrl.inference.api.chat_processes import ChatProcesses
 from asyncrl.inference.api.disconnect import install_disconnect_handler
 from asyncrl.inference.api.limits import BodySizeLimit
 from asyncrl.inference.api.openai_routes import openai_routes
@@ -51,7 +53,14 @@ def served_model_name(cfg: InferenceConfig) -> str:
 
 
 def create_app(backend: Backend, cfg: InferenceConfig) -> FastAPI:
-    app = FastAPI(title="asyncrl inference", docs_url=None, redoc_url=None, openapi_url=None)
+    chat_processes = ChatProcesses(cfg.model.name, cfg.chat_processes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        chat_processes.close()
+
+    app = FastAPI(title="asyncrl inference", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     install_error_handlers(app)
     install_disconnect_handler(app)
     app.add_middleware(BodySizeLimit, max_bytes=cfg.max_request_bytes)
@@ -73,12 +82,12 @@ def create_app(backend: Backend, cfg: InferenceConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        text = await backend.metrics() + prompt_workers.metrics()
+        text = await backend.metrics() + prompt_workers.metrics() + chat_processes.metrics()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     clients = [Depends(api_key_guard(cfg))]
     app.include_router(token_routes(backend, cfg, model_name, prompt_workers), dependencies=clients)
-    app.include_router(openai_routes(backend, cfg, model_name, prompt_workers), dependencies=clients)
+    app.include_router(openai_routes(backend, cfg, model_name, prompt_workers, chat_processes), dependencies=clients)
     app.include_router(admin_routes(backend, cfg))
     return app
 
