@@ -71,8 +71,9 @@ def test_writing_a_batch_leaves_the_event_loop_free(tmp_path):
     assert written["batch"].samples == 128
     rows = [read_batch(rank_file(tmp_path, 1, rank)) for rank in (0, 1)]
     assert sum(int(mb.sample_lengths.numel()) for rank in rows for mb in rank) == 128
-    # Relative to the write's own duration, so that a loaded machine (late wake-ups for everyone) still passes.
-    assert stats["event_loop_lag_ms/max"] < 1000 * written["seconds"] / 2, (stats, written)
+    # Relative to the write's own duration, so that a loaded machine (late wake-ups for everyone) still passes: on
+    # the loop, one wake-up would come about the whole write late; beside a busy neighbour one came at 0.53 of it.
+    assert stats["event_loop_lag_ms/max"] < 1000 * written["seconds"] * 0.75, (stats, written)
 
 
 def test_writing_a_batch_times_its_packing_and_its_files_within_its_own_time(tmp_path):
