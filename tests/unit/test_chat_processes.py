@@ -52,6 +52,21 @@ def test_a_worker_answers_the_body_and_its_prompt_as_the_server_would(model):
     assert worker.process.poll() is not None  # closed with the server
 
 
+def test_bodies_sent_at_once_are_prepared_by_the_configured_number_of_workers(model):
+    processes = ChatProcesses(model, 2)
+
+    async def many() -> list:
+        return await asyncio.gather(*(processes.prepare(chat(3000, max_tokens=n + 1)) for n in range(6)))
+
+    try:
+        answers = asyncio.run(many())
+        assert [body.max_tokens for body, _ in answers] == [1, 2, 3, 4, 5, 6]
+        assert len(processes._workers) == 2
+        assert len({worker.process.pid for worker in processes._workers}) == 2
+    finally:
+        processes.close()
+
+
 def test_a_body_whose_client_left_is_stopped_and_the_next_one_is_served(model):
     processes = ChatProcesses(model, 1)  # one worker: the next body waits unless the first one stops
 

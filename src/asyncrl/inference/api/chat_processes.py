@@ -92,6 +92,7 @@ class ChatProcesses:
         self._lock = threading.Condition()
         self._workers: list[_Worker] = []
         self._closed = False
+        self._started = False  # the feeding threads, one per worker, are running
         self.prepared = 0  # bodies a worker answered
         self.stopped = 0  # bodies dropped or stopped because their client left
         self.stopped_in_workers = 0  # of those, the ones a worker had been sent
@@ -105,7 +106,8 @@ class ChatProcesses:
         loop = asyncio.get_running_loop()
         job = _Job(next(self._ids), content, loop, loop.create_future())
         with self._lock:
-            if not self._workers:
+            if not self._started:
+                self._started = True
                 self._start()
             heapq.heappush(self._waiting, (len(content), job.id, job))
             self._lock.notify()
