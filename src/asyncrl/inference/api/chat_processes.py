@@ -39,8 +39,11 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 
 from asyncrl.inference.api.api_errors import APIError
+from asyncrl.inference.api.bodies import validate
+from asyncrl.inference.api.chat_template import render_chat
 from asyncrl.inference.api.prometheus import prometheus_text
 from asyncrl.inference.api.prompts import PromptWorkStopped
+from asyncrl.inference.api.protocol import ChatBody, check_supported
 
 PROCESS_BYTES = 65536  # smaller bodies are prepared in the server's process (bodies.py, prompts.py)
 NICENESS = 10
@@ -138,11 +141,13 @@ class ChatProcesses:
 
     def _stop(self, job: _Job) -> None:
         with self._lock:
-            self.stopped += 1
             if job.state == "waiting":
                 job.state = "dropped"
             elif job.state == "running":
                 job.worker.send(("stop", job.id))
+            else:
+                return  # answered already
+            self.stopped += 1
 
     def _next(self) -> _Job | None:
         with self._lock:
@@ -205,10 +210,6 @@ def _settle(done: asyncio.Future, answer: tuple) -> None:
 
 def prepare_chat(tokenizer: Any, content: bytes) -> tuple[Any, str]:
     """What a worker does with one body: the same checks, in the same order, as the server's own path."""
-    from asyncrl.inference.api.bodies import validate
-    from asyncrl.inference.api.chat_template import render_chat
-    from asyncrl.inference.api.protocol import ChatBody, check_supported
-
     body = validate(ChatBody, content, check_supported)
     text = render_chat(tokenizer, body)
     return body.model_copy(update={"messages": []}), text
