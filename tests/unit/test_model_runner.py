@@ -3,6 +3,9 @@ graphs add."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -150,9 +153,31 @@ def test_paged_prefill_and_decode_give_the_logits_of_the_slots_layout(model):
     assert torch.allclose(second, last_logits(model, PROMPTS[0] + [12, 22]), atol=1e-5)
 
 
+@torch.inference_mode()
+def test_a_paged_batch_padded_to_its_graphs_size_decodes_as_before_and_pads_into_the_scratch_block(model):
+    """What a captured graph computes: the batch padded to its bucket (3 -> 4 rows) at the whole cache's
+    length; the padding row writes only the scratch block, so every block a sequence may hold is as the
+    unpadded step left it."""
+    exact_runner, padded_runner = paged_runner_for(model), paged_runner_for(model)
+    tables = [[9, 3, 12], [5, 1], [0, 7]]
+    for runner in (exact_runner, padded_runner):
+        runner.prefill_paged(PROMPTS, [tables[0], tables[1][:1], tables[2]])
+    tokens, positions = [11, 12, 13], [5, 2, 3]
+    exact = exact_runner.decode_paged(tokens, positions, tables)
+    padded_runner.graphs = SimpleNamespace(run=padded_runner._paged_decode_step)  # a graph's work, eagerly
+    padded = padded_runner.decode_paged(tokens, [5, 2, 3], [np.array(t, dtype=np.int32) for t in tables])
+    assert torch.allclose(padded, exact, atol=1e-6)
+    scratch = padded_runner.cache.scratch_block
+    assert torch.allclose(padded_runner.cache.keys[:, :scratch], exact_runner.cache.keys[:, :scratch], atol=1e-6)
+    assert padded_runner.cache.keys[:, scratch].abs().sum() > 0 == exact_runner.cache.keys[:, scratch].abs().sum()
+
+
 def test_what_cannot_read_paged_blocks_yet_is_refused_with_the_fix():
+    with pytest.raises(AsyncRLError, match="only with the Triton paged kernel.*cuda_graphs = false"):
+        paged_attention_kernel("sdpa", "sdpa", cuda_graphs=True)
     with pytest.raises(AsyncRLError, match="cuda_graphs = false"):
-        paged_attention_kernel("auto", "triton", cuda_graphs=True)
+        paged_attention_kernel("auto", "flash", cuda_graphs=True)  # a GPU without triton
+    assert paged_attention_kernel("auto", "triton", cuda_graphs=True) == "triton"
     with pytest.raises(AsyncRLError, match="'flash' reads contiguous slots"):
         paged_attention_kernel("flash", "flash", cuda_graphs=False)
     assert paged_attention_kernel("auto", "flash", cuda_graphs=False) == "sdpa"  # a GPU without triton
@@ -185,6 +210,32 @@ def test_gpu_decoding_kernels_match_masked_attention(attention):
     runner.attention = "sdpa"  # the same step through the masked path, eager
     runner.graphs = None
     masked = runner.decode(tokens, positions).float()
+    assert (fast - masked).abs().max() < 0.02 * masked.abs().max()
+    assert (fast.argmax(-1) == masked.argmax(-1)).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU decoding kernels and CUDA graphs need a CUDA GPU")
+@torch.inference_mode()
+def test_gpu_paged_decoding_in_cuda_graphs_matches_masked_attention():
+    """The paged GPU path (bf16, the Triton paged kernel, compiled, CUDA graphs of padded batches) against
+    the eager masked path over the gathered blocks of the same runner, blocks scattered through the pool."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=64)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16).eval()
+    cache = PagedKVCache(2, 2, 64, 16, 2, 32, 8, torch.bfloat16, torch.device("cuda"))
+    runner = ModelRunner(model, cache, cuda_graphs=True, compile=True)
+    assert runner.attention == "triton"
+    runner.warm_up()
+    tables = [[9, 3, 12], [5, 1], [0, 7]]
+    runner.prefill_paged(PROMPTS, [tables[0], tables[1][:1], tables[2]])
+    tokens, positions = [11, 12, 13], [5, 2, 3]
+    fast = runner.decode_paged(tokens, positions, tables).float()
+    runner.attention = "sdpa"  # the same step through the masked path, eager
+    runner.graphs = None
+    masked = runner.decode_paged(tokens, positions, tables).float()
     assert (fast - masked).abs().max() < 0.02 * masked.abs().max()
     assert (fast.argmax(-1) == masked.argmax(-1)).all()
 

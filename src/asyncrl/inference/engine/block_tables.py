@@ -5,7 +5,8 @@ The samples of one request admitted together share the blocks of their prompt, t
 included; a sample about to write into a block another table still holds first gets a copy of its own
 (copy-on-write: `prepare_write`), so the full prompt blocks stay shared for good and the last one is copied
 at the first position where the samples differ, their first sampled token. Blocks come from and go back to
-a `BlockPool`. Not thread-safe (see `block_pool.py`).
+a `BlockPool`. Not thread-safe (see `block_pool.py`). Each table is mirrored in an int32 array, so a
+decoding step's [batch, blocks] table is filled from arrays (`array`), not from Python lists.
 
 With the prefix cache, a table may start with registered blocks found by the tokens they hold
 (`cached_prefix`), and its full blocks are registered once their keys and values are final (`register`).
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
+
+import numpy as np
 
 from asyncrl.inference.engine.block_pool import BlockPool, block_key
 
@@ -32,6 +35,7 @@ class BlockTables:
         self.pool = pool
         self.block_size = block_size
         self._tables: dict[Hashable, list[int]] = {}
+        self._arrays: dict[Hashable, np.ndarray] = {}  # each table as int32, kept equal to it
 
     def blocks_for(self, length: int) -> int:
         """Blocks that hold `length` positions."""
@@ -44,6 +48,7 @@ class BlockTables:
         for block in cached:
             self.pool.hold(block)
         self._tables[owner] = cached + self.pool.take(self.blocks_for(length) - len(cached))
+        self._arrays[owner] = np.array(self._tables[owner], dtype=np.int32)
 
     def cached_prefix(self, tokens: list[int]) -> list[int]:
         """The registered blocks that hold the longest run of whole blocks `tokens` starts with, the last token
@@ -76,6 +81,7 @@ class BlockTables:
         for block in table:
             self.pool.share(block)
         self._tables[owner] = list(table)
+        self._arrays[owner] = self._arrays[source].copy()
 
     def blocks_to_write(self, owner: Hashable, position: int) -> int:
         """Free blocks `prepare_write(owner, position)` takes: one past the table's end or to copy a shared
@@ -90,6 +96,7 @@ class BlockTables:
         index, table = position // self.block_size, self._tables[owner]
         if index >= len(table):
             table.extend(self.pool.take(1))
+            self._arrays[owner] = np.append(self._arrays[owner], np.int32(table[-1]))
             return None
         block = table[index]
         if self.pool.refs(block) == 1:
@@ -97,16 +104,22 @@ class BlockTables:
         [copy] = self.pool.take(1)
         self.pool.release(block)
         table[index] = copy
+        self._arrays[owner][index] = copy
         return BlockCopy(block, copy)
 
     def free(self, owner: Hashable) -> None:
         """Let go of `owner`'s blocks, the last first: of a prefix the prefix cache keeps, the blocks nearest
         its end are then the first reused (a block found by its tokens is of use only after its predecessors)."""
+        self._arrays.pop(owner, None)
         for block in reversed(self._tables.pop(owner, [])):
             self.pool.release(block)
 
     def table(self, owner: Hashable) -> list[int]:
         return self._tables[owner]
+
+    def array(self, owner: Hashable) -> np.ndarray:
+        """`owner`'s table as an int32 array (read only: the tables change it)."""
+        return self._arrays[owner]
 
     def slot(self, owner: Hashable, position: int) -> int:
         """Where `position` of `owner` sits in the cache read as one run of blocks x block_size positions."""

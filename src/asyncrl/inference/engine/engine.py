@@ -436,7 +436,7 @@ class Engine:
             return
         tokens = [sequence.token_ids[-1] for sequence in running]
         positions = [sequence.num_tokens - 1 for sequence in running]
-        tables = [self.scheduler.blocks.table(sequence) for sequence in running]
+        tables = [self.scheduler.blocks.array(sequence) for sequence in running]
         logits = self.runner.decode_paged(tokens, positions, tables)
         self._inflight = self._launch(
             list(running), logits, self._running_sampling(), max(positions) + 1, self._routed(running)

@@ -30,9 +30,10 @@ Face forward.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -121,21 +122,22 @@ def decode_attention_kernel(choice: str, device: torch.device, dtype: torch.dtyp
 def paged_attention_kernel(choice: str, resolved: str, cuda_graphs: bool) -> str:
     """The decoding attention of the paged layout, from `inference.decode_attention` (`choice`) and what
     `decode_attention_kernel` made of it: the Triton paged kernel (`kernels/paged_decode_attention.py`) or sdpa
-    over the gathered blocks. What cannot read blocks yet is refused: CUDA graphs (each step's block tables
-    are built on the host) and torch's flash attention (contiguous slots only); "auto" leaves flash for sdpa."""
-    if cuda_graphs:
+    over the gathered blocks. Refused: torch's flash attention (contiguous slots only; "auto" leaves it for
+    sdpa), and CUDA graphs without the Triton kernel (sdpa gathers each step's context, which a graph would
+    fix)."""
+    if resolved == "flash":
+        if choice != "auto":
+            raise AsyncRLError(
+                "inference.decode_attention = 'flash' reads contiguous slots, not the blocks of "
+                "inference.kv_cache_layout = 'paged' (use 'triton' or 'sdpa', or kv_cache_layout = 'slots')"
+            )
+        resolved = "sdpa"
+    if cuda_graphs and resolved != "triton":
         raise AsyncRLError(
-            "inference.kv_cache_layout = 'paged' cannot replay decoding steps as CUDA graphs yet "
-            "(set inference.cuda_graphs = false, or use kv_cache_layout = 'slots')"
+            "inference.kv_cache_layout = 'paged' replays decoding steps as CUDA graphs only with the Triton "
+            "paged kernel, which needs a float16/bfloat16 model and triton (set inference.cuda_graphs = false)"
         )
-    if resolved != "flash":
-        return resolved
-    if choice == "auto":
-        return "sdpa"
-    raise AsyncRLError(
-        "inference.decode_attention = 'flash' reads contiguous slots, not the blocks of "
-        "inference.kv_cache_layout = 'paged' (use 'triton' or 'sdpa', or kv_cache_layout = 'slots')"
-    )
+    return resolved
 
 
 def flash_decode(q, keys, values, used, context: int, query_starts, key_starts) -> torch.Tensor:
@@ -350,12 +352,16 @@ class ModelRunner:
         following = [layer.input_layernorm for layer in self.layers[1:]] + [model.model.norm]
         self.residual_norms = [(layer.post_attention_layernorm, after) for layer, after in zip(self.layers, following)]
         self.ops = DecodeOps.compiled() if compile else DecodeOps()
-        self.graphs = DecodeGraphs(self._decode_step) if cuda_graphs and self.device.type == "cuda" else None
+        self.paged = isinstance(cache, PagedKVCache)
+        step = self._paged_decode_step if self.paged else self._decode_step
+        self.graphs = DecodeGraphs(step) if cuda_graphs and self.device.type == "cuda" else None
+        if self.paged:  # ... and, in the paged layout, where each row's key and value go and its blocks
+            self.written = torch.zeros(rows, dtype=torch.long, device=self.device)
+            self.block_table = torch.zeros(rows, cache.max_blocks, dtype=torch.int32, device=self.device)
         # CPU, float32: the larger linear weights reordered for oneDNN (a second copy), refreshed on updates.
         self.pack = PACKED_LINEAR is not None and self.device.type == "cpu" and embeddings.dtype == torch.float32
         self.packed: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
         self._pack_weights()
-        self.paged = isinstance(cache, PagedKVCache)
         self.attention = decode_attention_kernel(attention, self.device, cache.keys.dtype)
         if self.paged:
             self.attention = paged_attention_kernel(attention, self.attention, self.graphs is not None)
@@ -405,14 +411,19 @@ class ModelRunner:
             ) from error
 
     def _warm_up_paged(self) -> None:
-        """`warm_up` for the paged layout (no graphs): one decoding step and the same prefills, into block 0,
-        which the positions of any sequence that takes it later overwrite before they are read."""
+        """`warm_up` for the paged layout: one decoding step and the same prefills, into the scratch block,
+        and with CUDA graphs every batch size's graph."""
+        scratch = [self.cache.scratch_block]
         try:
             with torch.inference_mode():
-                self.decode_paged([0], [0], [[0]])
+                self.decode_paged([0], [0], [scratch])
                 for prompts in ([[0]], [[0, 0]], [[0, 0], [0, 0, 0]]):
                     if len(prompts) <= self.cache.max_sequences:
-                        self.prefill_paged(prompts, [[0]] * len(prompts))
+                        self.prefill_paged(prompts, [scratch] * len(prompts))
+                if self.graphs is not None:
+                    rows = self.cache.max_sequences
+                    for batch in sorted({bucket(count, rows) for count in range(1, rows + 1)}):
+                        self.decode_paged([0] * batch, [0] * batch, [scratch] * batch)
         except Exception as error:
             lines = str(error).strip().splitlines()
             raise AsyncRLError(
@@ -622,27 +633,43 @@ class ModelRunner:
         batch = bucket(count, self.cache.num_slots) if self.graphs is not None else count
         return self._run_step(count, batch, context)
 
-    def decode_paged(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
-        """Feed token i at position i of the sequence whose blocks are `tables[i]` (the block of that position
-        already writable: `BlockTables.prepare_write`); returns the logits [len(tokens), vocab]."""
-        block_size = self.cache.block_size
+    def decode_paged(self, tokens: list[int], positions: list[int], tables: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Feed token i at position i of the sequence whose blocks are `tables[i]` (lists or int32 arrays, the
+        block of that position already writable: `BlockTables.prepare_write`); returns the logits
+        [len(tokens), vocab]. With CUDA graphs the batch is padded to its bucket by rows of token 0 at
+        position 0 of the scratch block."""
+        count, block_size = len(tokens), self.cache.block_size
         context = max(positions) + 1
+        batch = bucket(count, self.cache.max_sequences) if self.graphs is not None else count
         blocks = -(-context // block_size)
-        table = torch.tensor([t[:blocks] + [0] * (blocks - len(t)) for t in tables], dtype=torch.int32)
-        written = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)]
-        inputs = torch.tensor([tokens, positions, written])
-        if self.device.type == "cuda":
+        table = np.zeros((batch, blocks), dtype=np.int32)
+        for row, blocks_of_row in enumerate(tables):
+            table[row, : min(len(blocks_of_row), blocks)] = blocks_of_row[:blocks]
+        table[count:, 0] = self.cache.scratch_block
+        written = [int(t[p // block_size]) * block_size + p % block_size for t, p in zip(tables, positions)]
+        padding = [0] * (batch - count)
+        inputs = torch.tensor(
+            [tokens + padding, positions + padding, written + [self.cache.scratch_block * block_size] * (batch - count)]
+        )
+        table = torch.from_numpy(table)
+        if self.device.type == "cuda":  # so that the copies do not wait for the device's queued work
             inputs, table = inputs.pin_memory(), table.pin_memory()
-        inputs, table = inputs.to(self.device, non_blocking=True), table.to(self.device, non_blocking=True)
-        return self._paged_decode_step(inputs[0], inputs[1], inputs[2], table, context)
+        self.tokens[:batch].copy_(inputs[0], non_blocking=True)
+        self.positions[:batch].copy_(inputs[1], non_blocking=True)
+        self.written[:batch].copy_(inputs[2], non_blocking=True)
+        self.block_table[:batch, :blocks].copy_(table, non_blocking=True)
+        if self.graphs is not None:
+            return self.graphs.run(batch, self.cache.max_len)[:count]
+        return self._paged_decode_step(batch, context)
 
-    def _paged_decode_step(
-        self, tokens: torch.Tensor, positions: torch.Tensor, written: torch.Tensor, table: torch.Tensor, context: int
-    ) -> torch.Tensor:
-        """`_decode_step` over the paged cache: each row's key and value go to `written` (its position's place
-        in the cache read as one run of positions), then attention reads the row's blocks through `table`:
-        the Triton paged kernel, or sdpa over the blocks gathered into [batch, context] under a mask."""
-        batch = tokens.shape[0]
+    def _paged_decode_step(self, batch: int, context: int) -> torch.Tensor:
+        """`_decode_step` over the paged cache, on the input buffers: each row's key and value go to `written`
+        (its position's place in the cache read as one run of positions), then attention reads the row's
+        blocks through `block_table`: the Triton paged kernel (each row up to its own length, so a graph
+        captured for the whole cache length serves every context), or sdpa over the blocks gathered into
+        [batch, context] under a mask. Block-table entries past a row's length are never read."""
+        tokens, positions, written = self.tokens[:batch], self.positions[:batch], self.written[:batch]
+        table = self.block_table[:batch]
         block_size = self.cache.block_size
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         used = (positions + 1).to(torch.int32)

@@ -7,6 +7,8 @@ of them than `seq_len` slots would; `max_sequences` bounds the decoding batch (r
 
 As in `kv_cache.py`, the cache starts zeroed and only ever receives finite keys and values, so the masked
 positions attention gathers (past a row's length, or from block 0 where a row has no block) weigh exactly 0.
+One block more than the pool hands out is allocated, `scratch_block`: the rows that pad a batch to a
+captured CUDA graph's size (and the warm-up) write there, never into a block a sequence may hold.
 """
 
 from __future__ import annotations
@@ -44,13 +46,19 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
     ):
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks  # the pool's; block `num_blocks` is the scratch block
+        self.scratch_block = num_blocks
         self.block_size = block_size
         self.max_len = max_len  # seq_len: the longest sequence, which sizes the rotary tables
         self.max_sequences = max_sequences
+
+    @property
+    def max_blocks(self) -> int:
+        """Blocks of the longest sequence: the width of a block table."""
+        return -(-self.max_len // self.block_size)
 
     @property
     def total_tokens(self) -> int:
