@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 def test_calibrated_model_reproduces_the_runs_step_time_within_20_percent(tmp_path, level):
     init_model(tmp_path / "tiny", "tiny", seed=0)
     level_flag = ("--orchestrator.max-async-level", str(level))
-    result = run_rl(tmp_path / "tiny", tmp_path / "run", "--max-steps", "8", *level_flag)
+    result = run_rl(tmp_path / "tiny", tmp_path / "run", "--max-steps", "12", *level_flag)
     assert result.returncode == 0, result.stdout + result.stderr
     parts = calibrate(tmp_path / "run")
     assert parts.max_async_level == level and parts.batch_size == 8

@@ -29,6 +29,11 @@ def test_sync_step_is_the_sum_of_generation_training_publish_and_handoffs():
     assert p.trainer_idle == pytest.approx(1 - 4.5 / 6) and p.inference_idle == pytest.approx(1 - 1 / 6)
 
 
+def test_dispatch_latency_is_part_of_the_round_trip():
+    late = dataclasses.replace(PARTS, max_async_level=0, dispatch_latency_s=0.25)
+    assert predict(late, 2, 1, "filesystem").step_s == pytest.approx(1 + 4 + 0.5 + 0.5 + 0.25)
+
+
 def test_async_step_is_the_slower_side_when_handoffs_are_small():
     fast = dataclasses.replace(PARTS, publish={"filesystem": Publish(0.5, 0.0)}, batch_handoff_s=0.0)
     p = predict(fast, 1, 4, "filesystem")  # G = 2, T = 4000 / (4 x 1000 x 0.81) = 1.235, + P 0.5

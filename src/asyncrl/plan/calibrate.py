@@ -1,7 +1,8 @@
 """The parts of the plan model read from a finished `asyncrl rl` run of the user's own config.
 
 Steady steps only (the first `skip` are start-up). Rates are ratios of sums over those steps; the
-handoffs are medians:
+handoffs are means, since the round trip is their sum (at max_async_level >= 1 they alternate between
+short and long from step to step, and a median of such a series is either):
 
 - engine tokens/s per replica: completion tokens of the batches / the servers' busy seconds
   (`perf/server/<i>/tokens_per_s` x `time/step` over `(1 - perf/server/<i>/idle)` x `time/step`);
@@ -9,7 +10,9 @@ handoffs are medians:
   the rate is per batch token (rows that dynamic sampling or zero advantages leave out still count);
 - publish: `time/publish` (the trainer held), and W = when the inference log says "policy version N live"
   minus the trainer's `timestamp/train_end` of step N;
-- D = the trainer's `timestamp/train_start` minus the orchestrator's `timestamp/generate_end`.
+- D = the trainer's `timestamp/train_start` minus the orchestrator's `timestamp/generate_end`;
+- S = batch n's `timestamp/generate_start` minus when version n - L - 1 (the oldest its groups may be
+  sent to) went live.
 """
 
 from __future__ import annotations
@@ -91,21 +94,26 @@ def calibrate(run_dir: Path, skip: int = 2) -> Parts:
     train_s = sum(t["time/forward_backward"] + t["time/optimizer"] for t in trainer.values())
 
     live = live_times(run_dir / "logs")
+    level = config["max_async_level"]
     loads = [live[n] - trainer[n]["timestamp/train_end"] for n in steps if n in live]
     handoffs = [trainer[n]["timestamp/train_start"] - orchestrator[n]["timestamp/generate_end"] for n in steps]
+    dispatches = [
+        orchestrator[n]["timestamp/generate_start"] - live[n - level - 1] for n in steps if n - level - 1 in live
+    ]
     return Parts(
         batch_size=config["batch_size"],
         prompt_tokens=(batch_tokens - completions) / rollouts,
         completion_tokens=completions / rollouts,
-        max_async_level=config["max_async_level"],
+        max_async_level=level,
         engine_tokens_per_s=generated / max(busy, 1e-9) if generated else 0.0,
         trainer_tokens_per_s=batch_tokens / train_s / ranks,
         efficiency_per_doubling=1.0,
         publish={
             config["weight_transfer"]["mode"]: Publish(
                 statistics.fmean(t["time/publish"] for t in trainer.values()),
-                max(statistics.median(loads), 0.0) if loads else 0.0,
+                max(statistics.fmean(loads), 0.0) if loads else 0.0,
             )
         },
-        batch_handoff_s=max(statistics.median(handoffs), 0.0),
+        batch_handoff_s=max(statistics.fmean(handoffs), 0.0),
+        dispatch_latency_s=max(statistics.fmean(dispatches), 0.0) if dispatches else 0.0,
     )

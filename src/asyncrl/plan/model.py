@@ -7,8 +7,10 @@ generated tokens/s each, K trainer ranks of t trained tokens/s each at efficienc
     G = B c / (R g)                    generation of one batch
     T = B (p + c) / (K t e(K))         forward, backward and optimizer of one batch
     P                                  the trainer held by publishing the weights
-    H = W + D                          handoffs: W from the trainer's publish to the new weights live on
-                                       the servers, D from a batch's cut to the trainer starting on it
+    H = W + D + S                      handoffs: W from the trainer's publish to the new weights live on
+                                       the servers, D from a batch's cut to the trainer starting on it,
+                                       S from new weights live to the first group of the batch they allow
+                                       sent out (the orchestrator learning of them, the engine's queue)
 
 On GPUs of their own, at max_async_level L, batch n + L + 1 can only be generated once version n is
 live, so a step is bounded by each side and by the round trip generate -> train -> publish spread over
@@ -50,6 +52,7 @@ class Parts:
     efficiency_per_doubling: float  # trainer tokens/s per rank at 2K ranks / at K ranks
     publish: dict[str, Publish]
     batch_handoff_s: float = 0.0  # D
+    dispatch_latency_s: float = 0.0  # S
     gpus_per_node: int = 8
 
     def efficiency(self, ranks: int) -> float:
@@ -76,7 +79,7 @@ def predict(parts: Parts, replicas: int, ranks: int, mode: str) -> Prediction:
     generate = parts.batch_size * parts.completion_tokens / (replicas * parts.engine_tokens_per_s)
     trained = parts.batch_size * (parts.prompt_tokens + parts.completion_tokens)
     train = trained / (ranks * parts.trainer_tokens_per_s * parts.efficiency(ranks)) + publish.trainer_s
-    round_trip = generate + train + publish.load_s + parts.batch_handoff_s
+    round_trip = generate + train + publish.load_s + parts.batch_handoff_s + parts.dispatch_latency_s
     if mode == "colocated":
         step, bound = round_trip, "round trip"
     else:
@@ -137,6 +140,7 @@ def load_parts(path: Path) -> Parts:
             efficiency_per_doubling=trainer.get("efficiency_per_doubling", 1.0),
             publish={mode: Publish(p["trainer_s"], p["load_s"]) for mode, p in raw["publish"].items()},
             batch_handoff_s=raw.get("batch_handoff_s", 0.0),
+            dispatch_latency_s=raw.get("dispatch_latency_s", 0.0),
             gpus_per_node=raw.get("gpus_per_node", 8),
         )
     except KeyError as error:
