@@ -88,6 +88,19 @@ METRICS: list[Metric] = [
     Metric("batch/groups", ORCH, "groups", "groups in the batch"),
     Metric("batch/tokens", ORCH, "tokens", "tokens of the batch's rollouts (prompt, sampled and environment)"),
     Metric(
+        "prefix_cache/prompt_tokens",
+        ORCH,
+        "tokens per batch",
+        "prompt tokens the batch's requests sent to be prefilled, every turn's (a group's shared first prompt once)",
+    ),
+    Metric(
+        "prefix_cache/cached_tokens",
+        ORCH,
+        "tokens per batch",
+        "of those, the ones the server read from its prefix cache (0 without inference.prefix_cache)",
+    ),
+    Metric("prefix_cache/hit_rate", ORCH, "fraction", "prefix_cache/cached_tokens / prefix_cache/prompt_tokens"),
+    Metric(
         "batch/zero_advantage_groups",
         ORCH,
         "groups per batch",

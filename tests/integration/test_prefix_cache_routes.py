@@ -16,7 +16,9 @@ from asyncrl.config.schema import SamplingConfig
 from asyncrl.environments import load_environment
 from asyncrl.loading import load_tokenizer
 from asyncrl.models.offline import init_model
+from asyncrl.orchestrator.batch import Batch, batch_metrics
 from asyncrl.orchestrator.client import InferenceClient, ServedPolicy
+from asyncrl.orchestrator.queue import ScoredGroup
 
 pytestmark = pytest.mark.integration
 
@@ -133,17 +135,26 @@ def test_every_turn_of_a_multi_turn_episode_reads_the_turn_before_from_the_cache
             self.turns += [(list(prompt_ids), c.token_ids, c.cached_tokens) for c in completions]
             return completions
 
-    async def play() -> RecordingPolicy:
+    async def play() -> tuple[RecordingPolicy, list]:
         client = InferenceClient(server, None, request_timeout=120)
         policy = RecordingPolicy(client, load_tokenizer(str(model_dir)), SamplingConfig(max_tokens=8), SEQ_LEN)
         env = load_environment("wordle", max_turns=3)
         try:
-            await env.rollout_group(next(env.examples(seed=1)), policy.seeded(0), 2)
+            rollouts = await env.rollout_group(next(env.examples(seed=1)), policy.seeded(0), 2)
         finally:
             await client.close()
-        return policy
+        return policy, rollouts
 
-    turns = asyncio.run(play()).turns
+    policy, rollouts = asyncio.run(play())
+    turns = policy.turns
+    # The rollouts count what their requests sent (a group's first prompt once) and what the cache served.
+    first_prompt = len(turns[0][0])
+    prompt_tokens = first_prompt + sum(len(p) for p, _, _ in turns[2:])  # turns[:2]: the group's one request
+    assert sum(r.prompt_tokens for r in rollouts) == prompt_tokens
+    assert sum(r.cached_tokens for r in rollouts) == sum(cached for _, _, cached in turns) > 0
+    metrics = batch_metrics(Batch(1, [ScoredGroup(0, "wordle", None, rollouts, [0.0, 0.0])], 0), 0)
+    assert metrics["prefix_cache/prompt_tokens"] == prompt_tokens
+    assert 0 < metrics["prefix_cache/hit_rate"] == metrics["prefix_cache/cached_tokens"] / prompt_tokens < 1
     later = 0
     for prompt, _, cached in turns:
         earlier = [p + s for p, s, _ in turns if len(p + s) < len(prompt) and prompt[: len(p + s)] == p + s]

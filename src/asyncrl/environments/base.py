@@ -127,6 +127,8 @@ class Rollout:
     reward: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    prompt_tokens: int = 0  # prompt tokens its requests had prefilled (a group's shared first prompt: once)
+    cached_tokens: int = 0  # of those, the ones the server read from its prefix cache
     # Wall time of its scoring (`Environment.score`: the rubric's reward functions, or an env-server's /score
     # round trip); 0 where an environment builds its rollouts itself (verifiers) and scores them on its own.
     score_seconds: float = 0.0
@@ -174,6 +176,8 @@ class Conversation(Protocol):
     finish_reason: str  # of the latest answer: "stop", or "length" when it was cut at max_tokens
     samples: list[TokenSample]  # what the trainer sees (none at message level)
     policy_versions: list[int]  # per sampled token (none at message level)
+    prompt_tokens: int  # prompt tokens its requests sent to be prefilled (0 at message level)
+    cached_tokens: int  # of those, the ones the server read from its prefix cache
 
     def add_environment(self, new_messages: Messages) -> bool:
         """Append the environment's messages; False (nothing appended) when they leave no room."""
@@ -222,6 +226,8 @@ class Episode:
         self.policy_versions: list[int] = []
         self.turns = 0
         self.finish_reason = ""
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
         end = self.tokenizer.convert_tokens_to_ids(END_OF_TURN)
         self.end_of_turn = self.tokenizer.eos_token_id if end is None or end == self.tokenizer.unk_token_id else end
 
@@ -253,12 +259,16 @@ class Episode:
         episodes = [self.copy() for _ in completions or ()]
         for episode, completion in zip(episodes, completions or ()):
             episode.add_completion(completion)
+        if episodes:  # the shared prompt was prefilled once: the first episode counts it
+            episodes[0].prompt_tokens += len(self.input_ids)
         return episodes
 
     async def next_answer(self) -> bool:
+        prompt_tokens = len(self.input_ids)
         sampled = await self._sample(1)
         if sampled is None:
             return False
+        self.prompt_tokens += prompt_tokens
         self.add_completion(sampled[0])
         return True
 
@@ -280,6 +290,7 @@ class Episode:
         self.samples[-1].extend(completion.token_ids, completion.logprobs)
         self.samples[-1].record_routing(completion)
         self.policy_versions += completion.policy_versions
+        self.cached_tokens += completion.cached_tokens
         self.turns += 1
         self.finish_reason = completion.finish_reason
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
@@ -443,4 +454,6 @@ class Environment:
             metrics=score.metrics if score else {},
             error=score.error if score else error,
             score_seconds=score_seconds,
+            prompt_tokens=conversation.prompt_tokens,
+            cached_tokens=conversation.cached_tokens,
         )

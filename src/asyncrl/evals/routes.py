@@ -149,6 +149,8 @@ class ChatConversation:
         self.finish_reason = ""
         self.samples: list = []
         self.policy_versions: list[int] = []
+        self.prompt_tokens = 0  # the server's prompt tokens are not counted at message level
+        self.cached_tokens = 0
 
     def add_answer(self, text: str, finish_reason: str) -> None:
         self.messages.append({"role": "assistant", "content": text})

@@ -112,4 +112,7 @@ def batch_metrics(batch: Batch, num_samples: int) -> dict[str, Any]:
         "batch/zero_advantage_groups": sum(not g.carries_signal for g in batch.groups),
         "batch/samples": num_samples,
         "batch/tokens": sum(r.num_tokens for r in rollouts),
+        "prefix_cache/prompt_tokens": (prompt := sum(r.prompt_tokens for r in rollouts)),
+        "prefix_cache/cached_tokens": (cached := sum(r.cached_tokens for r in rollouts)),
+        "prefix_cache/hit_rate": cached / prompt if prompt else 0.0,
     }
