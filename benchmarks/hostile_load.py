@@ -15,9 +15,10 @@ twice, side by side in one run:
 A good request is a one-message chat completion of --good-tokens greedy tokens. The phase ends when every
 hostile client has its answer (each a 400: too long for `seq_len`) and at least --min-good good answers are in.
 Goals (on an idle machine): a good request answered in at most 2 s, /health in at most 100 ms, both at their
-worst over the hostile phase. Each repeat starts a fresh server for each setting of --chat-processes (by
-default 0, the server's own threads preparing large chat bodies, and 2 worker processes), interleaved; the
-table shows the median of the repeats' figures per setting.
+worst over the hostile phase, as seen from a process of its own (the good client and the /health prober share
+it; the crowd's sends would delay them in the crowd's event loop). Each repeat starts a fresh server for each
+setting of --chat-processes (by default 0, the server's own threads preparing large chat bodies, and 2 worker
+processes), interleaved; the table shows the median of the repeats' figures per setting.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import socket
 import statistics
@@ -102,13 +104,37 @@ async def good_requests(client: httpx.AsyncClient, until: asyncio.Event, tokens:
         assert response.status_code == 200, response.text
 
 
-async def phase(url: str, args: argparse.Namespace, hostile: int, leavers: int) -> dict:
-    """One phase: good requests and /health probes beside `hostile` + `leavers` clients (module docstring)."""
-    bodies = [long_text_body(args.max_request_bytes), many_messages_body(args.max_request_bytes)]
-    statuses: Counter = Counter()
+async def watch(url: str, tokens: int, min_good: int, crowd_done, started, results) -> None:
+    """The good client and the /health prober, until the crowd is done and `min_good` answers are in."""
     health: list[float] = []
     good: list[float] = []
     done = asyncio.Event()
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=600) as prober,
+        httpx.AsyncClient(base_url=url, timeout=600) as polite,
+    ):
+        watchers = [
+            asyncio.create_task(probe_health(prober, done, health)),
+            asyncio.create_task(good_requests(polite, done, tokens, good)),
+        ]
+        started.set()
+        while not (crowd_done.is_set() and len(good) >= min_good):
+            await asyncio.sleep(0.05)
+        done.set()
+        await asyncio.gather(*watchers)
+    results.put((health, good))
+
+
+def watcher_process(url: str, tokens: int, min_good: int, crowd_done, started, results) -> None:
+    asyncio.run(watch(url, tokens, min_good, crowd_done, started, results))
+
+
+async def phase(url: str, args: argparse.Namespace, hostile: int, leavers: int) -> dict:
+    """One phase: good requests and /health probes beside `hostile` + `leavers` clients (module docstring).
+    The good client and the prober run in a process of their own, as a load balancer's health check does:
+    in this one, the crowd's 400 MB of sends would delay them in the client's own event loop."""
+    bodies = [long_text_body(args.max_request_bytes), many_messages_body(args.max_request_bytes)]
+    statuses: Counter = Counter()
     limits = httpx.Limits(max_connections=hostile + leavers + 8)
     headers = {"content-type": "application/json"}
 
@@ -122,29 +148,36 @@ async def phase(url: str, args: argparse.Namespace, hostile: int, leavers: int) 
         except httpx.TimeoutException:
             statuses["left"] += 1
 
-    async with (
-        httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as crowd,
-        httpx.AsyncClient(base_url=url, timeout=600) as prober,
-        httpx.AsyncClient(base_url=url, timeout=600) as polite,
-    ):
-        started = time.perf_counter()
-        watchers = [
-            asyncio.create_task(probe_health(prober, done, health)),
-            asyncio.create_task(good_requests(polite, done, args.good_tokens, good)),
-        ]
-        crowd_tasks = [one_hostile(crowd, bodies[i % 2]) for i in range(hostile)]
-        crowd_tasks += [one_leaver(crowd) for _ in range(leavers)]
-        await asyncio.gather(*crowd_tasks)
-        crowd_s = time.perf_counter() - started
-        while len(good) < args.min_good:
-            await asyncio.sleep(0.05)
-        done.set()
-        await asyncio.gather(*watchers)
-        counters = ("asyncrl_inference_prompts_stopped_total ", "asyncrl_inference_chat_process_bodies_stopped_total ")
-        stopped = sum(
-            float(line.split()[-1]) for line in (await prober.get("/metrics")).text.splitlines()
-            if line.startswith(counters)
-        )  # fmt: skip
+    context = multiprocessing.get_context("spawn")
+    crowd_done, started, results = context.Event(), context.Event(), context.Queue()
+    watcher = context.Process(
+        target=watcher_process, args=(url, args.good_tokens, args.min_good, crowd_done, started, results)
+    )
+    watcher.start()
+    try:
+        if not await asyncio.to_thread(started.wait, 60):
+            raise SystemExit("the watcher process did not start within 60 s")
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as crowd:
+            began = time.perf_counter()
+            crowd_tasks = [one_hostile(crowd, bodies[i % 2]) for i in range(hostile)]
+            crowd_tasks += [one_leaver(crowd) for _ in range(leavers)]
+            await asyncio.gather(*crowd_tasks)
+            crowd_s = time.perf_counter() - began
+            crowd_done.set()
+            health, good = await asyncio.to_thread(results.get, True, 600)
+            counters = (
+                "asyncrl_inference_prompts_stopped_total ",
+                "asyncrl_inference_chat_process_bodies_stopped_total ",
+            )
+            stopped = sum(
+                float(line.split()[-1]) for line in (await crowd.get("/metrics")).text.splitlines()
+                if line.startswith(counters)
+            )  # fmt: skip
+    finally:
+        crowd_done.set()
+        watcher.join(30)
+        if watcher.is_alive():
+            watcher.kill()
     return {
         "good_p50": statistics.median(good),
         "good_max": max(good),
