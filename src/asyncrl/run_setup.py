@@ -38,6 +38,9 @@ def resolve(cfg: RLConfig, gpus: int | None = None) -> tuple[list[InferenceConfi
     orchestrator = cfg.orchestrator.model_copy(deep=True)
     trainer = cfg.trainer.model_copy(deep=True)
     placed = placement(dep, gpus)
+    problem = transfer_mode(cfg.weight_transfer.mode).placement_problem(placed.inference, placed.trainer[0])
+    if problem:
+        raise AsyncRLError(problem)
     trainer.device = placed.trainer_device
     cores = usable_cores()
     inference_threads = dep.inference_threads or max(1, cores // 2)

@@ -1,7 +1,8 @@
-"""Weight broadcast between real processes over loopback (gloo on CPU: the same code as nccl on GPUs):
-trainer rank 0 and every inference server in one group, state dicts arrive whole at each server, a receiver
-keeps the newest version, a missing peer is a clear timeout, and real `asyncrl rl` runs serve each version
-they receive, with one server and with two."""
+"""Weight broadcast between real processes over loopback (gloo on CPU: the same code as nccl on GPUs), and
+its colocated form (buffers lent in shared memory on a CPU, by CUDA IPC on a GPU): trainer rank 0 and every
+inference server in one group, state dicts arrive whole and bit-identical at each server, a receiver keeps
+the newest version, a missing peer is a clear timeout, and real `asyncrl rl` runs serve each version they
+receive, with one server and with two."""
 
 from __future__ import annotations
 
@@ -53,10 +54,11 @@ from asyncrl.errors import AsyncRLError
 from asyncrl.transport.broadcast import WeightSender
 {inspect.getsource(state_dict)}
 {inspect.getsource(adapter)}
-transfer = WeightTransferConfig(mode="broadcast", port=int(sys.argv[1]), receivers=int(sys.argv[3]), timeout=60)
-sender = WeightSender(transfer, torch.device("cpu"))
+mode, device = sys.argv[4], torch.device(sys.argv[5])
+transfer = WeightTransferConfig(mode=mode, port=int(sys.argv[1]), receivers=int(sys.argv[3]), timeout=60)
+sender = WeightSender(transfer, device)
 for version in (1, 2, 3):
-    sender.send(state_dict(version), version)
+    sender.send({{k: v.to(device) for k, v in state_dict(version).items()}}, version)
 sys.stdin.readline()  # then, when told: the adapter, of the base model in folder argv[2]
 sender.send(adapter(), 4, {{"r": 1, "lora_alpha": 2.0, "base_model_name_or_path": sys.argv[2]}})
 """
@@ -68,22 +70,39 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def receiver_config(port: int, rank: int = 1, receivers: int = 1, timeout: float = 60) -> WeightTransferConfig:
-    return WeightTransferConfig(mode="broadcast", port=port, rank=rank, receivers=receivers, timeout=timeout)
+def receiver_config(
+    port: int, rank: int = 1, receivers: int = 1, timeout: float = 60, mode: str = "broadcast"
+) -> WeightTransferConfig:
+    return WeightTransferConfig(mode=mode, port=port, rank=rank, receivers=receivers, timeout=timeout)
 
 
-@pytest.mark.parametrize("servers", [1, 2])
-def test_every_receiver_keeps_the_newest_version_whole_and_merges_adapters(tmp_path, servers):
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+
+
+@pytest.mark.parametrize(
+    ("mode", "device", "servers"),
+    [
+        ("broadcast", "cpu", 1),
+        ("broadcast", "cpu", 2),
+        ("colocated", "cpu", 1),
+        ("colocated", "cpu", 2),
+        pytest.param("colocated", "cuda", 2, marks=needs_gpu),
+    ],
+)
+def test_every_receiver_keeps_the_newest_version_whole_and_merges_adapters(tmp_path, mode, device, servers):
     save_file({"layer.weight": torch.ones(3, 2), "norm.weight": torch.zeros(2)}, tmp_path / "model.safetensors")
     port = free_port()
     # The servers start first, as under `asyncrl rl`: they wait for trainer rank 0 to open the group.
     receivers = [
-        WeightReceiver(receiver_config(port, rank, servers), torch.device("cpu")) for rank in range(1, servers + 1)
+        WeightReceiver(receiver_config(port, rank, servers, mode=mode), torch.device(device))
+        for rank in range(1, servers + 1)
     ]
     sender = subprocess.Popen(
-        [sys.executable, "-c", SENDER, str(port), str(tmp_path), str(servers)],
+        [sys.executable, "-c", SENDER, str(port), str(tmp_path), str(servers), mode, device],
         stdin=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        # A file, not a pipe: torch's shared-memory manager, the sender's child, holds its stderr open while
+        # the receivers hold the buffers it lent.
+        stderr=open(tmp_path / "sender.log", "wb"),
     )
     try:
         for receiver in receivers:
@@ -92,14 +111,15 @@ def test_every_receiver_keeps_the_newest_version_whole_and_merges_adapters(tmp_p
             expected = state_dict(3)
             assert list(received) == list(expected)
             for name, tensor in expected.items():
-                assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+                assert received[name].device.type == device, name
+                assert received[name].dtype == tensor.dtype and torch.equal(received[name].cpu(), tensor), name
             # An older version asked for: the newest one is what the receiver has.
             assert receiver.take(1, timeout=1)[1] == 3
         with pytest.raises(PeerTimeout, match="version 4 did not arrive from trainer rank 0 within 2s"):
             receivers[0].take(4, timeout=2)
 
         sender.communicate(b"go\n", timeout=60)
-        assert sender.returncode == 0, sender.stderr
+        assert sender.returncode == 0, (tmp_path / "sender.log").read_text()
         for receiver in receivers:
             received, version = receiver.take(4, timeout=60)
             assert version == 4 and sorted(received) == ["layer.weight", "norm.weight"]
@@ -142,12 +162,34 @@ def test_a_server_with_no_place_in_the_group_is_refused():
         WeightReceiver(receiver_config(free_port(), rank=3, receivers=2), torch.device("cpu"))
 
 
-@pytest.mark.parametrize("servers", [1, 2])
-def test_rl_run_with_broadcast_serves_each_new_version(tmp_path, servers):
-    """A real `asyncrl rl`, lockstep: every server must serve version n - 1 for batch n, received by broadcast."""
+def test_colocated_servers_must_share_trainer_rank_0s_device():
+    from asyncrl.transport.broadcast import WeightSender
+
+    trainer = {"host": "node-a", "gpu": "GPU-1"}
+    assert WeightSender._backend("colocated", trainer, [dict(trainer), dict(trainer)]) == "shared"
+    with pytest.raises(AsyncRLError, match="inference server 2 is on GPU GPU-2 of node-a"):
+        WeightSender._backend("colocated", trainer, [dict(trainer), {"host": "node-a", "gpu": "GPU-2"}])
+    with pytest.raises(AsyncRLError, match="use weight_transfer.mode = 'colocated' there"):
+        WeightSender._backend("broadcast", trainer, [dict(trainer)])
+
+    from asyncrl.config import load
+    from asyncrl.config.schema import RLConfig
+    from asyncrl.run_setup import resolve
+
+    argv = ["--weight-transfer.mode", "colocated", "--deployment.inference-device", "cuda:0",
+            "--deployment.trainer-device", "cuda:1"]  # fmt: skip
+    cfg, _ = load(RLConfig, argv)
+    with pytest.raises(AsyncRLError, match=r"trainer rank 0's device \(cuda:1\), but replica 0 on cuda:0"):
+        resolve(cfg, gpus=2)
+
+
+@pytest.mark.parametrize(("mode", "servers"), [("broadcast", 1), ("broadcast", 2), ("colocated", 1)])
+def test_rl_run_with_broadcast_serves_each_new_version(tmp_path, mode, servers):
+    """A real `asyncrl rl`, lockstep: every server must serve version n - 1 for batch n, received by broadcast
+    (or lent in shared memory, colocated)."""
     init_model(tmp_path / "base", "tiny")
     result = run_rl(
-        tmp_path / "base", tmp_path / "run", "--weight-transfer.mode", "broadcast",
+        tmp_path / "base", tmp_path / "run", "--weight-transfer.mode", mode,
         "--deployment.inference-replicas", str(servers),
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr

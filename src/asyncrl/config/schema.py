@@ -310,10 +310,11 @@ class VLLMConfig(Config):
 
 
 class WeightTransferConfig(Config):
-    mode: Literal["filesystem", "broadcast"] = Field(
+    mode: Literal["filesystem", "broadcast", "colocated"] = Field(
         "filesystem",
-        description="how new weights reach inference: weights/step_N folders, or a broadcast from trainer rank 0 "
-        "(nccl on GPUs, gloo otherwise; docs/weights.md)",
+        description="how new weights reach inference: weights/step_N folders, a broadcast from trainer rank 0 "
+        "(nccl on GPUs, gloo otherwise), or lent inside the GPU trainer rank 0 shares with every server "
+        "(CUDA IPC; docs/weights.md)",
     )
     host: str = Field(
         "127.0.0.1", description="broadcast: address of trainer rank 0, which hosts the group; the servers join there"

@@ -25,6 +25,8 @@ class TransferMode:
     # last version in full) is written.
     folders: bool
     backends: tuple[str, ...]  # the inference backends that can take weights this way
+    # Every server must compute on trainer rank 0's own device (the weights never leave it).
+    same_device: bool = False
 
     def backend_problem(self, backend: str) -> str | None:
         """Why `backend` cannot serve under this mode, or None."""
@@ -35,6 +37,17 @@ class TransferMode:
             f"weight_transfer.mode = '{self.name}' needs inference.backend = "
             f"{' or '.join(repr(b) for b in self.backends)} (the {backend} backend takes "
             f"{' or '.join(repr(m) for m in takes)} only: use {takes[0]!r})"
+        )
+
+    def placement_problem(self, inference: Sequence[str], trainer_rank_0: str) -> str | None:
+        """Why servers on `inference` devices cannot take weights from trainer rank 0 on its device, or None."""
+        elsewhere = [f"{i} on {device}" for i, device in enumerate(inference) if device != trainer_rank_0]
+        if not self.same_device or not elsewhere:
+            return None
+        return (
+            f"weight_transfer.mode = '{self.name}' needs every inference server on trainer rank 0's device "
+            f"({trainer_rank_0}), but replica {', '.join(elsewhere)} (set deployment.inference_device and "
+            "deployment.trainer_device to one device, or use 'broadcast')"
         )
 
     def group_port(self, settings: Any, pick_port: Callable[[str], int]) -> int | None:
@@ -63,6 +76,8 @@ class TransferMode:
 MODES = {
     "filesystem": TransferMode("filesystem", group=False, folders=True, backends=("native", "vllm")),
     "broadcast": TransferMode("broadcast", group=True, folders=False, backends=("native",)),
+    # The same group, its buffers lent to servers on trainer rank 0's own GPU (CUDA IPC) instead of sent.
+    "colocated": TransferMode("colocated", group=True, folders=False, backends=("native",), same_device=True),
 }
 
 
