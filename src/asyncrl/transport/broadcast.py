@@ -272,7 +272,8 @@ class WeightReceiver:
                 newest = self._newest[0] if self._newest else "none"
                 raise PeerTimeout(
                     f"weight broadcast: version {version} did not arrive from trainer rank 0 within {timeout:.0f}s "
-                    f"(newest received: {newest}; is the trainer running with weight_transfer.mode = 'broadcast'?)"
+                    f"(newest received: {newest}; is the trainer running with weight_transfer.mode = "
+                    f"'{self.cfg.mode}'?)"
                 )
             state_dict, newest = self._newest[1], self._newest[0]
         return state_dict, newest
