@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.config.schema import WeightTransferConfig
+from asyncrl.config.transfer_mode import transfer_mode
 from asyncrl.errors import AsyncRLError
 from asyncrl.transport import shared_buffers, weights
 from asyncrl.transport.waiting import PeerTimeout
@@ -159,7 +160,7 @@ class WeightSender:
     @staticmethod
     def _backend(mode: str, own: dict, servers: list[dict]) -> str:
         """shared (colocated: every server on this device), nccl (GPUs of their own) or gloo (otherwise)."""
-        if mode == "colocated":
+        if transfer_mode(mode).same_device:
             for rank, place in enumerate(servers, 1):
                 if place != own:
                     raise AsyncRLError(
@@ -207,11 +208,7 @@ class WeightSender:
             self._generation += 1
             self.store.set(f"shared/{self._generation}", shared_buffers.share(self._lent))
         for dtype, indices in groups.items():
-            offset = 0
-            for i in indices:
-                piece = tensors[i].detach().reshape(-1)
-                self._lent[dtype][offset : offset + piece.numel()].copy_(piece)
-                offset += piece.numel()
+            torch.cat([tensors[i].detach().reshape(-1) for i in indices], out=self._lent[dtype])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the servers read on streams of their own
         header["shared"] = self._generation

@@ -59,7 +59,10 @@ class _Unpickler(pickle.Unpickler):
 
     def __init__(self, file: io.BytesIO, device: torch.device):
         super().__init__(file)
-        self.index = None if device.type != "cuda" else (device.index or torch.cuda.current_device())
+        if device.type != "cuda":
+            self.index = None
+        else:
+            self.index = device.index if device.index is not None else torch.cuda.current_device()
 
     def find_class(self, module: str, name: str):
         found = super().find_class(module, name)
