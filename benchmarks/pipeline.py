@@ -4,22 +4,27 @@ one inference server against two.
     python benchmarks/pipeline.py --preset tiny                                   # CPU, ~0.1M parameters
     python benchmarks/pipeline.py --preset qwen3-0.6b --device cuda --median-tokens 256 --max-tokens 2048
 
-Every case is a real `asyncrl rl` run (inference servers, orchestrator, torchrun trainer, weights through
-the run folder) on the workload of `pipeline_env.py`: per-group completion lengths drawn from a log-normal
-distribution, EOS ignored. Each case runs `--steps` trainer steps; the first `--skip` are left out (start-up,
-compilation), and over the rest it reports, from metrics.jsonl:
+Every case is a real `asyncrl rl` run (inference servers, orchestrator, torchrun trainer, weights by each
+`--modes` transfer mode, by default files in the run folder) on the workload of `pipeline_env.py`: per-group
+completion lengths drawn from a log-normal distribution, EOS ignored. Each case runs `--steps` trainer steps;
+the first `--skip` are left out (start-up, compilation), and over the rest it reports, from metrics.jsonl:
 
     s/step           wall time per trainer step (last train end - train end of step `skip`) / steps
     trained tok/s    tokens the trainer trained on (packed rows, prompt included) per wall second
     trainer busy     share of that wall time the trainer spent training (not waiting for a batch)
     inference busy   share of that wall time the servers had requests in flight (mean over servers)
-    vs sync          trained tok/s against the max_async_level = 0 run with the same number of servers
+    vs sync          trained tok/s against the max_async_level = 0 run with the same servers and weights
+    train / generate the parts alone, per step: the trainer's forward, backward and optimizer seconds, and
+                     the seconds the servers had requests in flight (busiest server), both from the
+                     max_async_level = 0 run, where the two take turns and never share the hardware
+    vs bound         s/step over the sequential bound, train + generate of that run (1.00x: every second
+                     of the step is one part working alone; below 1: the parts overlap)
 
 All cases run one after the other in this one invocation, so they are compared on the same machine.
 
 `--profile DIR` also writes a torch.profiler Chrome trace of each case's steps `skip` + 2 and `skip` + 3
-(the step after `skip` warms the profiler up): DIR/level<L>_replicas<R>/trainer_rank_<r>.json from every
-trainer rank and orchestrator.json, which records every Python call of the orchestrator (the
+(the step after `skip` warms the profiler up): DIR/<mode>_level<L>_replicas<R>/trainer_rank_<r>.json from
+every trainer rank and orchestrator.json, which records every Python call of the orchestrator (the
 `trainer.profile` and `orchestrator.profile` options, docs/trainer.md). Tracing slows those steps, so take
 the figures from a run without it.
 """
@@ -43,8 +48,8 @@ HERE = Path(__file__).resolve().parent
 PROFILED_STEPS = 2  # with --profile: traced steps of each case, after `skip` and one to warm the profiler up
 
 
-def run_case(args, model: Path, root: Path, level: int, replicas: int) -> dict:
-    output_dir = root / f"level{level}_replicas{replicas}"
+def run_case(args, model: Path, root: Path, level: int, replicas: int, mode: str) -> dict:
+    output_dir = root / f"{mode}_level{level}_replicas{replicas}"
     shutil.rmtree(output_dir, ignore_errors=True)
     env_args = (
         f"{{median_tokens = {args.median_tokens}, sigma = {args.sigma}, max_tokens = {args.max_tokens}, "
@@ -60,7 +65,7 @@ def run_case(args, model: Path, root: Path, level: int, replicas: int) -> dict:
         "--orchestrator.max-async-level", str(level), "--orchestrator.max-inflight", str(args.max_inflight),
         "--orchestrator.sampling.max-tokens", str(args.max_tokens), "--orchestrator.sampling.ignore-eos",
         "--orchestrator.samples-per-step", "0", "--trainer.optim.lr", "1e-6",
-        "--deployment.inference-replicas", str(replicas), *args.extra,
+        "--deployment.inference-replicas", str(replicas), "--weight-transfer.mode", mode, *args.extra,
     ]  # fmt: skip
     if args.device == "cpu":
         argv += ["--deployment.inference-device", "cpu", "--deployment.trainer-device", "cpu"]
@@ -78,9 +83,10 @@ def run_case(args, model: Path, root: Path, level: int, replicas: int) -> dict:
     result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=args.timeout)
     if result.returncode != 0:
         raise SystemExit(
-            f"case level {level}, {replicas} server(s) failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+            f"case {mode}, level {level}, {replicas} server(s) failed:\n"
+            f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         )
-    return summarize(output_dir, args.skip, time.time() - start) | {"level": level, "replicas": replicas}
+    return summarize(output_dir, args.skip, time.time() - start) | {"level": level, "replicas": replicas, "mode": mode}
 
 
 def summarize(output_dir: Path, skip: int, seconds: float) -> dict:
@@ -101,8 +107,17 @@ def summarize(output_dir: Path, skip: int, seconds: float) -> dict:
     idle = sum(b["perf/inference_idle"] * b["time/step"] for b in batches) / max(
         sum(b["time/step"] for b in batches), 1e-9
     )
+    # The parts, per step: training (forward, backward, optimizer) and generating (the busiest server's
+    # seconds with requests in flight).
+    servers = len([k for k in batches[0] if k.startswith("perf/server/") and k.endswith("/idle")])
+    generate = [
+        max((1 - b[f"perf/server/{i}/idle"]) for i in range(servers)) * b["time/step"] if servers else 0.0
+        for b in batches
+    ]
     return {
         "s_per_step": wall / len(steps),
+        "train_s": statistics.fmean(trainer[n]["time/forward_backward"] + trainer[n]["time/optimizer"] for n in steps),
+        "generate_s": statistics.fmean(generate),
         "tokens_per_s": tokens / wall,
         "trainer_busy": sum(train_seconds) / wall,
         "inference_busy": 1 - idle,
@@ -120,6 +135,9 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--levels", type=int, nargs="+", default=[0, 1, 2], help="max_async_level values")
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2], help="inference servers")
+    parser.add_argument(
+        "--modes", nargs="+", default=["filesystem"], help="weight_transfer.mode values (colocated: one device)"
+    )
     parser.add_argument("--steps", type=int, default=12, help="trainer steps per case")
     parser.add_argument("--skip", type=int, default=3, help="first steps left out of the figures")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -144,11 +162,12 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="pipeline_"))
     model = build_model(args.preset, root / "model", "cuda" if args.device.startswith("cuda") else "cpu")
     rows = []
-    for replicas in args.replicas:
-        for level in args.levels:
-            row = run_case(args, model, root, level, replicas)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    for mode in args.modes:
+        for replicas in args.replicas:
+            for level in args.levels:
+                row = run_case(args, model, root, level, replicas, mode)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
 
     print(
         f"\npipeline: {args.preset} ({args.dtype}) on {args.device}; batch {args.batch_size} = "
@@ -156,24 +175,34 @@ def main() -> None:
         f"(median {args.median_tokens}, sigma {args.sigma}, at most {args.max_tokens}), EOS ignored; "
         f"steps {args.skip + 1}-{args.steps} of {args.steps}"
     )
-    columns = [("servers", 8), ("level", 7), ("s/step", 9), ("trained tok/s", 15), ("trainer busy", 14),
-               ("inference busy", 16), ("vs sync", 9), ("dropped", 9), ("cancelled", 11)]  # fmt: skip
+    columns = [("weights", 12), ("servers", 8), ("level", 7), ("s/step", 9), ("trained tok/s", 15),
+               ("trainer busy", 14), ("inference busy", 16), ("vs sync", 9), ("train", 7), ("generate", 10),
+               ("vs bound", 10), ("dropped", 9), ("cancelled", 11)]  # fmt: skip
     header = "".join(f"{name:>{width}}" for name, width in columns)
     print(header)
     for row in rows:
-        sync = next((r for r in rows if r["replicas"] == row["replicas"] and r["level"] == 0), None)
+        sync = next(
+            (r for r in rows if (r["mode"], r["replicas"], r["level"]) == (row["mode"], row["replicas"], 0)), None
+        )
         ratio = f"{row['tokens_per_s'] / sync['tokens_per_s']:.2f}x" if sync else "-"
+        parts = (
+            f"{sync['train_s']:>7.2f}{sync['generate_s']:>10.2f}"
+            f"{row['s_per_step'] / (sync['train_s'] + sync['generate_s']):>9.2f}x"
+            if sync
+            else f"{'-':>7}{'-':>10}{'-':>10}"
+        )
         print(
-            f"{row['replicas']:>8}{row['level']:>7}{row['s_per_step']:>9.2f}{row['tokens_per_s']:>15.0f}"
-            f"{row['trainer_busy']:>14.0%}{row['inference_busy']:>16.0%}{ratio:>9}{row['dropped']:>9}{row['cancelled']:>11}"
+            f"{row['mode']:>12}{row['replicas']:>8}{row['level']:>7}{row['s_per_step']:>9.2f}{row['tokens_per_s']:>15.0f}"
+            f"{row['trainer_busy']:>14.0%}{row['inference_busy']:>16.0%}{ratio:>9}{parts}"
+            f"{row['dropped']:>9}{row['cancelled']:>11}"
         )
     by_level = {}
     for row in rows:
-        by_level.setdefault(row["level"], {})[row["replicas"]] = row
-    for level, cases in sorted(by_level.items()):
+        by_level.setdefault((row["mode"], row["level"]), {})[row["replicas"]] = row
+    for (mode, level), cases in sorted(by_level.items()):
         if 1 in cases and 2 in cases:
             gain = cases[2]["generated_tokens_per_s"] / cases[1]["generated_tokens_per_s"]
-            print(f"level {level}: two servers generate {gain:.2f}x the tokens/s of one")
+            print(f"{mode}, level {level}: two servers generate {gain:.2f}x the tokens/s of one")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
 
