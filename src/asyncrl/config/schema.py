@@ -366,7 +366,8 @@ class InferenceConfig(Config):
     kv_cache_layout: Literal["slots", "paged"] = Field(
         "slots",
         description="'slots': one seq_len slot per running sequence; 'paged': blocks of kv_block_size tokens from "
-        "one pool, taken as sequences grow and freed as they end (no CUDA graphs, no flash decoding attention yet)",
+        "one pool, taken as sequences grow and freed as they end (not with decode_attention = 'flash'; CUDA graphs "
+        "only with the Triton kernel)",
     )
     kv_block_size: int = Field(
         16, ge=1, le=256, description="tokens per KV-cache block with kv_cache_layout = 'paged' (a power of two)"
