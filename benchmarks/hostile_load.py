@@ -39,8 +39,6 @@ from pathlib import Path
 
 import httpx
 
-from asyncrl.models.offline import init_model
-
 GOOD = {"messages": [{"role": "user", "content": "reverse: hello"}], "temperature": 0.0}
 GOAL_GOOD_S, GOAL_HEALTH_S = 2.0, 0.1
 
@@ -192,6 +190,8 @@ async def phase(url: str, args: argparse.Namespace, hostile: int, leavers: int) 
 
 
 def main() -> None:
+    from asyncrl.models.offline import init_model  # not at the top: the spawned watcher must not import torch
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hostile", type=int, default=200, help="clients sending a body just under the limit")
     parser.add_argument("--leavers", type=int, default=8, help="clients that leave while their prompt is rendered")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import logging
 import signal
 import socket
@@ -35,7 +36,7 @@ from asyncrl.inference.api.api_errors import error_response, install_error_handl
 from asyncrl.inference.api.auth import api_key_guard, warn_if_exposed
 from asyncrl.inference.api.chat_processes import ChatProcesses
 from asyncrl.inference.api.disconnect import install_disconnect_handler
-from asyncrl.inference.api.limits import BodySizeLimit
+from asyncrl.inference.api.limits import BodySizeLimit, LargeBodyQueue
 from asyncrl.inference.api.openai_routes import openai_routes
 from asyncrl.inference.api.prompts import PromptWorkers
 from asyncrl.inference.api.token_routes import token_routes
@@ -63,7 +64,8 @@ def create_app(backend: Backend, cfg: InferenceConfig) -> FastAPI:
     app = FastAPI(title="asyncrl inference", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     install_error_handlers(app)
     install_disconnect_handler(app)
-    app.add_middleware(BodySizeLimit, max_bytes=cfg.max_request_bytes)
+    app.add_middleware(LargeBodyQueue)
+    app.add_middleware(BodySizeLimit, max_bytes=cfg.max_request_bytes)  # outside the queue: a 413 never waits
     model_name = served_model_name(cfg)
     prompt_workers = PromptWorkers()
 
@@ -171,6 +173,11 @@ def serve(cfg: InferenceConfig) -> int:
     except BaseException:
         sock.close()
         raise
+    # The backend's start-up heap (torch, transformers, the model's modules) is never freed; frozen, a full
+    # collection skips it. Unfrozen, each one walked it for 160-270 ms with the GIL held, and /health waited
+    # behind it (benchmarks/hostile_load.py).
+    gc.collect()
+    gc.freeze()
     host, port = sock.getsockname()[:2]
     warn_if_exposed(cfg, host)
     name = served_model_name(cfg)
