@@ -100,7 +100,7 @@ def test_batch_must_hold_whole_groups():
 
 def test_resolve_points_orchestrator_at_inference_and_sizes_ranks():
     cfg, _ = load(RLConfig, ["--inference.port", "0", "--deployment.trainer-ranks", "2"])
-    [inference], orchestrator, trainer = resolve(cfg)
+    [inference], orchestrator, trainer = resolve(cfg, gpus=0)  # as on a host without a GPU
     assert inference.port > 0
     assert orchestrator.inference_urls == [f"http://127.0.0.1:{inference.port}"]
     assert orchestrator.num_trainer_ranks == 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -91,8 +92,11 @@ class Decoder(nn.Module):
         self.rotary_emb = rotary
 
 
-@dataclass
-class CausalLMOutput:
+class CausalLMOutput(NamedTuple):
+    """A NamedTuple, so FSDP2 (which walks a forward's outputs as a pytree to hook the backward) sees its tensors:
+    with a dataclass, torch 2.11's FSDP2 (not 2.13's) never ran its backward hooks: no gradient reached the
+    optimizer and no weight changed."""
+
     logits: torch.Tensor  # [batch, T, vocab]; the hidden states once the trainer defers the LM head
     routing: torch.Tensor | None  # [MoE layers, 2 + 2E] routing summaries (moe.summarize); None for dense models
 

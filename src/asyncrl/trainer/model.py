@@ -245,6 +245,11 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     if not grads:
         return 0.0
     sharded = isinstance(grads[0], DTensor)
+    if not sharded and isinstance(model, FSDPModule):
+        raise AsyncRLError(
+            "FSDP2 did not reduce the gradients (its backward hooks never ran), so the optimizer would change no "
+            "weight: the model's forward must return its tensors as a tuple, a NamedTuple or a dict"
+        )
     local = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
     squares = torch.stack([norm.float() for norm in torch._foreach_norm(local)]).square().sum()
     if sharded:

@@ -208,7 +208,7 @@ class WeightSender:
             self._generation += 1
             self.store.set(f"shared/{self._generation}", shared_buffers.share(self._lent))
         for dtype, indices in groups.items():
-            torch.cat([tensors[i].detach().reshape(-1) for i in indices], out=self._lent[dtype])
+            torch.cat([tensors[i].detach().reshape(-1).to(self.device) for i in indices], out=self._lent[dtype])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the servers read on streams of their own
         header["shared"] = self._generation

@@ -10,9 +10,12 @@ at the same time."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def bucket(size: int, limit: int) -> int:
@@ -31,19 +34,30 @@ class DecodeGraphs:
         """`step(batch, context)` runs one decoding step on static input buffers and returns the logits."""
         self.step = step
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.eager: set[tuple[int, int]] = set()  # keys whose capture failed
         self.pool = torch.cuda.graph_pool_handle()
 
     def run(self, batch: int, context: int) -> torch.Tensor:
         key = (batch, context)
+        if key in self.eager:
+            return self.step(batch, context)
         if key not in self.graphs:
             # The eager run first: it initializes kernels (cuBLAS handles, autotuning) outside the capture.
             # Running the step twice is harmless: both runs write the same keys and values.
-            self.step(batch, context)
+            logits = self.step(batch, context)
             graph = torch.cuda.CUDAGraph()
-            # thread_local: other threads (the HTTP server) may touch CUDA while this one captures.
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                logits = self.step(batch, context)
-            self.graphs[key] = (graph, logits)
+            try:
+                # thread_local: other threads (the HTTP server) may touch CUDA while this one captures.
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    captured = self.step(batch, context)
+            except RuntimeError as error:
+                # A step that cannot be captured runs eagerly from now on (its logits are already computed).
+                # The failed capture may leave the shared pool unusable, so later captures take a new one.
+                log.warning("decoding step (batch %d, context %d) runs without a CUDA graph: %s", *key, error)
+                self.eager.add(key)
+                self.pool = torch.cuda.graph_pool_handle()
+                return logits
+            self.graphs[key] = (graph, captured)
         graph, logits = self.graphs[key]
         graph.replay()
         return logits
