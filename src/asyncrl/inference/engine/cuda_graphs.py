@@ -53,7 +53,13 @@ class DecodeGraphs:
             except RuntimeError as error:
                 # A step that cannot be captured runs eagerly from now on (its logits are already computed).
                 # The failed capture may leave the shared pool unusable, so later captures take a new one.
-                log.warning("decoding step (batch %d, context %d) runs without a CUDA graph: %s", *key, error)
+                if not self.eager:  # once: every bucket of such a model fails alike
+                    log.warning(
+                        "decoding step (batch %d, context %d) runs without a CUDA graph, and so will any other "
+                        "that cannot be captured: %s",
+                        *key,
+                        error,
+                    )
                 self.eager.add(key)
                 self.pool = torch.cuda.graph_pool_handle()
                 return logits
