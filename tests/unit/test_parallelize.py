@@ -8,6 +8,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from asyncrl.config.schema import ModelConfig, OptimConfig, PerfConfig
+from asyncrl.errors import AsyncRLError
 from asyncrl.models.offline import init_model
 from asyncrl.trainer.distributed import close_distributed, init_distributed
 from asyncrl.trainer.logprobs import compute_logprobs
@@ -103,3 +104,14 @@ def test_clipping_scales_gradients_over_the_limit_and_leaves_the_rest_untouched(
     assert clip_grad_norm(model, 1.0) == pytest.approx(norm)
     total = torch.cat([parameter.grad.flatten() for parameter in model.parameters()]).norm()
     assert float(total) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_clipping_refuses_gradients_fsdp2_did_not_reduce(world):
+    """Where FSDP2's backward hooks do not run (torch 2.11 with a forward returning a dataclass), the gradients
+    sit on the gathered parameters and the optimizer, which holds the shards, would change nothing: refused."""
+    model = parallelized(world, PerfConfig(fsdp_unit="model"))
+    model.unshard()  # the gathered parameters, as a forward leaves them
+    for parameter in model.parameters():
+        parameter.grad = torch.ones_like(parameter)
+    with pytest.raises(AsyncRLError, match="FSDP2 did not reduce the gradients"):
+        clip_grad_norm(model, 1.0)
