@@ -4,6 +4,7 @@ one core per process (on the CPU, also on GPU hosts), and ways to read what they
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl.metrics import read_jsonl
+
+
+def ctrl_c_reaches_it() -> None:
+    """A `preexec_fn`: SIGINT at its default in the child, as in a terminal's foreground. A test suite started as a
+    background job of a script (`make test &`) passes SIGINT on ignored, and Python then installs no
+    KeyboardInterrupt handler, so the Ctrl-C a test sends would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run_rl(model: Path, output_dir: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:

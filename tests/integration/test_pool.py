@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from rl_runs import by_source  # tests/integration, on sys.path under pytest
+from rl_runs import by_source, ctrl_c_reaches_it  # tests/integration, on sys.path under pytest
 
 from asyncrl.checkpoints import part_dir
 from asyncrl.metrics import read_jsonl
@@ -143,7 +143,9 @@ def test_resume_with_groups_queued_and_in_flight_loses_and_repeats_nothing(tiny_
     flags = ["--max-steps", "6", "--ckpt.interval", "1", "--ckpt.keep-last", "10",
              "--orchestrator.max-async-level", "8", "--orchestrator.max-inflight", "8",
              "--orchestrator.samples-per-step", "8"]  # fmt: skip
-    launcher = subprocess.Popen(command(tiny_model, run, *flags), stdout=subprocess.DEVNULL, env=environment())
+    launcher = subprocess.Popen(
+        command(tiny_model, run, *flags), stdout=subprocess.DEVNULL, env=environment(), preexec_fn=ctrl_c_reaches_it
+    )
     try:
         wait_for_trainer_step(launcher, run, 4)
         launcher.send_signal(signal.SIGINT)

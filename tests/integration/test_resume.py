@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from rl_runs import ctrl_c_reaches_it  # tests/integration, on sys.path under pytest
 
 from asyncrl.checkpoints import RL_PARTS, find_resume_step, part_dir
 from asyncrl.metrics import read_jsonl
@@ -75,7 +76,11 @@ def stop_after_trainer_step(args: list[str], output_dir: Path, step: int, timeou
     """Start `asyncrl rl`, press Ctrl-C (SIGINT) once the trainer has logged `step`; the exit code."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl", "rl", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+        [sys.executable, "-m", "asyncrl", "rl", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        preexec_fn=ctrl_c_reaches_it,
     )
     deadline = time.monotonic() + timeout
     while process.poll() is None and time.monotonic() < deadline:

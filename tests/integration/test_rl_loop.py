@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from rl_runs import ctrl_c_reaches_it  # tests/integration, on sys.path under pytest
 
 from asyncrl.metrics import read_jsonl
 from asyncrl.models.offline import init_model
@@ -207,7 +208,7 @@ def test_interrupt_stops_every_process(warm_model, tmp_path, signum):
     launcher = subprocess.Popen(
         [sys.executable, "-m", "asyncrl", "rl", "@", str(EXAMPLE / "rl.toml"), "--model.name", str(warm_model),
          "--output-dir", str(output_dir), "--inference.port", "0", "--max-steps", "1000"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=ctrl_c_reaches_it,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
