@@ -35,8 +35,10 @@ before the others: with the paged layout and the prefix cache (its default here)
 group find its prompt's blocks cached and hold them once. It also runs, as `slots` and `paged` on the
 first 16 groups only (128 samples), the contiguous-slot layout (CUDA graphs, decoding one step ahead)
 and the paged layout on the same requests: the slots layout holds only budget / (`seq_len` x bytes per
-token) samples at once (30 on an H100), which the whole batch would take minutes to go through. Printed
-besides: the most KV-cache blocks in use at once (sampled every 20 ms) and the samples preempted.
+token) samples at once (30 on an H100), which the whole batch would take minutes to go through; and as
+`paged-step-by-step`, the paged layout with the host reading each decoding step before it launches the
+next, to show what decoding one step ahead gains. Printed besides: the most KV-cache blocks in use at
+once (sampled every 20 ms) and the samples preempted.
 
 For the GPU presets the memory-bandwidth bound is printed too (`bandwidth_bound`): every decoding step
 reads all weights once and every running sample's keys and values (a shared prompt once per group),
@@ -210,6 +212,9 @@ LONG_GROUPS = 16
 LONG_VARIANTS = {
     "slots": {"kv_cache_layout": "slots", "prefix_cache": False, "cuda_graphs": True, "groups": LONG_GROUPS},
     "paged": {"groups": LONG_GROUPS},
+    # the same paged run with the host reading each decoding step before launching the next (as before the
+    # paged layout decoded one step ahead): what the overlap gains, side by side
+    "paged-step-by-step": {"groups": LONG_GROUPS, "decode_ahead": False},
 }
 SETTINGS = {**GPU_VARIANTS, **RL_VARIANTS, **LONG_VARIANTS}
 
@@ -256,7 +261,10 @@ def native_worker(preset: Preset, folder: Path, repeats: int, settings: dict) ->
 
     settings = dict(settings)
     groups = settings.pop("groups", None)
+    decode_ahead = settings.pop("decode_ahead", None)
     engine = Engine(engine_config(preset, folder, preset.dtype, preset.prompts * preset.n, **settings))
+    if decode_ahead is not None:
+        engine.decode_ahead = decode_ahead
     peak_blocks = 0
 
     def watch(done: threading.Event) -> None:
@@ -531,7 +539,7 @@ def print_table(name: str, preset: Preset, results: dict, bandwidth: float) -> N
     paged = any(figures.get("paged") for figures in results.values())
     paged_header = f" {'samples':>7} {'peak blocks':>16} {'preempted':>9}" if paged else ""
     print(
-        f"{'backend':<14} {'tok/s':>10} {'runs':>5} {'TTFT s':>8} {'peak GiB':>9} {'vs HF':>7}{bound_header}"
+        f"{'backend':<18} {'tok/s':>10} {'runs':>5} {'TTFT s':>8} {'peak GiB':>9} {'vs HF':>7}{bound_header}"
         f"{paged_header}"
     )
     for backend in ("native", *SETTINGS, "vllm", "hf"):
@@ -552,13 +560,16 @@ def print_table(name: str, preset: Preset, results: dict, bandwidth: float) -> N
             held = f"{figures['peak_blocks']}/{figures['blocks_total']}" if figures.get("paged") else "-"
             preempted = f"{figures['preemptions_per_run']:.0f}" if figures.get("paged") else "-"
             blocks = f" {count:>7} {held:>16} {preempted:>9}"
-        print(f"{backend:<14} {speed:>10.0f} {len(figures['tok_s']):>5} {ttft:>8} {peak:>9} {ratio}{bound}{blocks}")
+        print(f"{backend:<18} {speed:>10.0f} {len(figures['tok_s']):>5} {ttft:>8} {peak:>9} {ratio}{bound}{blocks}")
     if "slots" in results and "paged" in results:
         ratio = statistics.median(results["paged"]["tok_s"]) / statistics.median(results["slots"]["tok_s"])
         print(
             f"first {LONG_GROUPS} groups: paged {ratio:.2f}x the slots layout, which holds "
             f"{results['slots']['slots']} samples at once"
         )
+    if "paged" in results and "paged-step-by-step" in results:
+        ratio = statistics.median(results["paged"]["tok_s"]) / statistics.median(results["paged-step-by-step"]["tok_s"])
+        print(f"first {LONG_GROUPS} groups: decoding one step ahead {ratio:.2f}x step by step (paged)")
     native = results.get("native") or next(iter(results.values()))
     if preset.n > 1:
         lengths = [length for request in native["sample_lengths"] for length in request]

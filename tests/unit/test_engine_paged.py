@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from asyncrl.config.schema import InferenceConfig
 from asyncrl.errors import AsyncRLError
@@ -35,8 +36,7 @@ def config(model_dir, **fields) -> InferenceConfig:
         seq_len=SEQ_LEN,
         max_batch_size=8,
         num_threads=1,
-        cuda_graphs=False,
-        **fields,
+        **{"cuda_graphs": False, **fields},
     )
 
 
@@ -52,13 +52,27 @@ def requests() -> list[GenerationRequest]:
     ]
 
 
-def generate(model_dir, **fields) -> tuple[list, Engine]:
+def generate(model_dir, decode_ahead: bool = False, **fields) -> tuple[list, Engine]:
+    """The samples of `requests()`; with `decode_ahead`, decoding one step ahead as on a GPU (the engine
+    counts in `steps_ahead` the steps it launched so)."""
     engine = Engine(config(model_dir, **fields))
+    engine.decode_ahead = decode_ahead
+    engine.steps_ahead = 0
+    step_ahead = engine._step_ahead_paged
+
+    def counted() -> None:
+        engine.steps_ahead += 1
+        step_ahead()
+
+    engine._step_ahead_paged = counted
     try:
         futures = [engine.generate(request) for request in requests()]
         return [future.result(TIMEOUT) for future in futures], engine
     finally:
         engine.stop()
+
+
+AHEAD = pytest.mark.parametrize("decode_ahead", [False, True], ids=["step-by-step", "one-step-ahead"])
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +88,13 @@ def assert_same_samples(actual, expected, logprob_tolerance: float = 0.0) -> Non
             assert a.finish_reason == b.finish_reason
 
 
-def test_paged_samples_equal_the_slots_layouts_and_every_block_is_freed(model_dir, slots_completions):
-    paged, engine = generate(model_dir, kv_cache_layout="paged", kv_block_size=4)
-    assert_same_samples(paged, slots_completions)
+@AHEAD
+def test_paged_samples_equal_the_slots_layouts_and_every_block_is_freed(model_dir, slots_completions, decode_ahead):
+    paged, engine = generate(model_dir, decode_ahead, kv_cache_layout="paged", kv_block_size=4)
+    # One step ahead, a step also decodes the rows of samples that ended with the step before it: another
+    # batch size and context, so float32 sums round differently (the same tokens, logprobs to 1e-5).
+    assert_same_samples(paged, slots_completions, logprob_tolerance=1e-5 if decode_ahead else 0.0)
+    assert (engine.steps_ahead > 0) == decode_ahead
     stats = engine.stats()
     assert stats.kv_cache_blocks_used == 0 and engine.scheduler.blocks.pool.num_free == stats.kv_cache_blocks_total
     assert stats.preemptions == 0
@@ -105,16 +123,21 @@ def test_samples_of_a_request_hold_their_prompt_once(model_dir):
     assert used == [4]  # 13 prompt tokens: 4 blocks of 4, once for the 4 samples (not 16)
 
 
-def test_preempted_samples_are_recomputed_to_the_same_tokens(model_dir, slots_completions):
+@AHEAD
+def test_preempted_samples_are_recomputed_to_the_same_tokens(model_dir, slots_completions, decode_ahead):
     """Blocks for little more than one sequence of seq_len: samples are preempted mid-decode, wait, and are
     prefilled again with what they had, and still sample the tokens they would have. Their recomputed keys
     and values come from a prefill, not from decoding steps, so the logprobs after it agree to float32
-    rounding, not bit for bit."""
+    rounding, not bit for bit. One step ahead, a step that would need blocks nobody has freed yet is not
+    launched ahead: the step in flight is read first, and then the newest samples are preempted."""
     block_size = 4
     budget = (SEQ_LEN // block_size + 6) * block_size * TOKEN_BYTES / GIB
-    paged, engine = generate(model_dir, kv_cache_layout="paged", kv_block_size=block_size, kv_cache_gb=budget)
+    paged, engine = generate(
+        model_dir, decode_ahead, kv_cache_layout="paged", kv_block_size=block_size, kv_cache_gb=budget
+    )
     assert engine.stats().kv_cache_blocks_total == SEQ_LEN // block_size + 6
     assert engine.stats().preemptions > 0, "no sample was preempted: the test lost its point"
+    assert (engine.steps_ahead > 0) == decode_ahead
     assert_same_samples(paged, slots_completions, logprob_tolerance=1e-5)
     stats = engine.stats()
     assert stats.kv_cache_blocks_used == 0
@@ -143,3 +166,20 @@ def test_the_triton_paged_kernel_samples_what_the_slots_layout_does(model_dir, s
     assert engine.runner.attention == "triton" and engine.stats().preemptions > 0
     assert_same_samples(paged, slots_completions, logprob_tolerance=1e-4)
     assert engine.stats().kv_cache_blocks_used == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not TRITON, reason="decodes from CUDA graphs on a CUDA GPU")
+def test_on_a_gpu_decoding_one_step_ahead_samples_what_step_by_step_does(model_dir):
+    """The GPU path: the Triton paged kernel replayed from CUDA graphs, with preemptions. float32, so that the
+    rows a step launched ahead decodes for samples that just ended change nothing but rounding."""
+    budget = (SEQ_LEN // 4 + 6) * 4 * TOKEN_BYTES / GIB
+    fields = dict(
+        device="cuda", kv_cache_layout="paged", kv_block_size=4, decode_attention="triton", cuda_graphs=True,
+        compile=False, kv_cache_gb=budget,
+    )  # fmt: skip
+    ahead, engine = generate(model_dir, True, **fields)
+    assert engine.steps_ahead > 0 and engine.stats().preemptions > 0
+    assert engine.stats().kv_cache_blocks_used == 0
+    step_by_step, engine = generate(model_dir, False, **fields)
+    assert engine.steps_ahead == 0
+    assert_same_samples(ahead, step_by_step, logprob_tolerance=1e-4)

@@ -27,7 +27,9 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def start(model_dir, prefix_cache: bool, **fields) -> Engine:
+def start(model_dir, prefix_cache: bool, decode_ahead: bool = False, **fields) -> Engine:
+    """An engine counting the positions each prefill computes; with `decode_ahead`, decoding one step ahead
+    as on a GPU."""
     engine = Engine(
         InferenceConfig(
             model={"name": str(model_dir), "dtype": "float32"},
@@ -51,7 +53,11 @@ def start(model_dir, prefix_cache: bool, **fields) -> Engine:
 
     engine.runner._prefill = counting
     engine.computed = computed
+    engine.decode_ahead = decode_ahead
     return engine
+
+
+AHEAD = pytest.mark.parametrize("decode_ahead", [False, True], ids=["step-by-step", "one-step-ahead"])
 
 
 def run(engine: Engine, request: GenerationRequest):
@@ -138,12 +144,13 @@ def test_after_a_weight_update_the_next_request_hits_nothing(model_dir):
         assert {v for c in on for v in c.policy_versions} == {1}
 
 
-def test_a_second_turn_starts_from_the_blocks_of_the_first_turns_sample(model_dir):
+@AHEAD
+def test_a_second_turn_starts_from_the_blocks_of_the_first_turns_sample(model_dir, decode_ahead):
     prompt = list(range(40, 50))  # 10 tokens
     turn1 = GenerationRequest(prompt, n=1, max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
     results = {}
     for cached in (False, True):
-        engine = start(model_dir, cached)
+        engine = start(model_dir, cached, decode_ahead)
         try:
             [first] = run(engine, turn1)
             turn2 = GenerationRequest(
@@ -164,7 +171,8 @@ def test_a_second_turn_starts_from_the_blocks_of_the_first_turns_sample(model_di
         assert_same(on, off)
 
 
-def test_preempted_samples_recomputed_from_cached_blocks_sample_the_same_tokens(model_dir):
+@AHEAD
+def test_preempted_samples_recomputed_from_cached_blocks_sample_the_same_tokens(model_dir, decode_ahead):
     """Blocks for little more than one sequence of seq_len: samples are preempted, register what they wrote
     and are recomputed from it (and from the prompts of others); they sample what they do with the cache
     off under the same budget."""
@@ -176,7 +184,7 @@ def test_preempted_samples_recomputed_from_cached_blocks_sample_the_same_tokens(
     ]
     results, stats = {}, {}
     for cached in (False, True):
-        engine = start(model_dir, cached, kv_cache_gb=budget)
+        engine = start(model_dir, cached, decode_ahead, kv_cache_gb=budget)
         try:
             futures = [engine.generate(request) for request in requests]
             results[cached] = [future.result(TIMEOUT) for future in futures]

@@ -21,7 +21,9 @@ from the tokens step t sampled, still on the device, before the host reads step 
 (`_step_ahead`), so the host's bookkeeping overlaps the device's work instead of leaving it idle. A sample
 that finished at step t was decoded once more for nothing; that row is dropped. The step in flight is read
 before anything changes the batch or the weights (a command, a sample joining), and no step is launched
-ahead when every sample ends with the one in flight.
+ahead when every sample ends with the one in flight. In the paged layout the step ahead needs every
+sample's next position writable first, which the host knows without the tokens; when that takes more
+blocks than are free, the step in flight is read and the next step preempts as step 3 says.
 
 Other threads talk to it through `generate`, `pause`, `resume` and `update_weights`, which return
 `concurrent.futures.Future`s. A weight update lands between two steps: samples in flight continue with the
@@ -182,9 +184,8 @@ class Engine:
         self._sampling: tuple[int, SamplingBatch] | None = None  # the running batch's, by scheduler version
         self._inflight: InflightStep | None = None  # the decoding step launched last, not yet read
         # Decoding one step ahead overlaps the host's work with the device's: a GPU gains, a CPU (which runs
-        # the step on the calling thread) would only decode rows of finished samples for nothing. The paged
-        # layout does not yet: each step's block tables are made on the host from the tokens it read.
-        self.decode_ahead = self.device.type == "cuda" and not self.paged
+        # the step on the calling thread) would only decode rows of finished samples for nothing.
+        self.decode_ahead = self.device.type == "cuda"
         self._paused = False
         self._stopping = False
         self._commands: list[tuple[Callable[[], Any], Future]] = []
@@ -387,7 +388,7 @@ class Engine:
         if not self.decode_ahead or self._inflight.version != self.scheduler.version:
             return False
         running = self.scheduler.running
-        if self.scheduler.num_waiting > 0 and len(running) < self.cache.num_slots:
+        if self.scheduler.can_admit():
             return False
         return not all(len(sequence.token_ids) + 1 >= sequence.params.max_tokens for sequence in running)
 
@@ -445,8 +446,33 @@ class Engine:
     def _step_ahead(self) -> None:
         """Launch the next decoding step from the tokens the step in flight sampled (still on the device),
         then read that step on the host while the new one runs."""
+        if self.paged:
+            self._step_ahead_paged()
+            return
         previous = self._take_inflight()
         logits = self.runner.decode_next(previous.sampled.token_ids, previous.context + 1)
+        routed = self._routed(previous.sequences)
+        self._inflight = self._launch(
+            previous.sequences, logits, self._running_sampling(), previous.context + 1, routed
+        )
+        self._finish(previous)
+
+    def _step_ahead_paged(self) -> None:
+        """`_step_ahead` in the paged layout: each sample's position after its newest token made writable first
+        (its block tables and written places come from the host, which knows every position without the
+        tokens); where blocks are short, the step in flight is read instead, and the next step decides whom
+        to preempt."""
+        with self._wakeup:
+            copies = self.scheduler.reserve_ahead()
+        if copies is None:
+            self._drain()
+            return
+        for copy in copies:
+            self.cache.copy_block(copy.source, copy.target)
+        previous = self._take_inflight()
+        positions = [sequence.num_tokens for sequence in previous.sequences]
+        tables = [self.scheduler.blocks.array(sequence) for sequence in previous.sequences]
+        logits = self.runner.decode_paged(previous.sampled.token_ids, positions, tables)
         routed = self._routed(previous.sequences)
         self._inflight = self._launch(
             previous.sequences, logits, self._running_sampling(), previous.context + 1, routed

@@ -633,12 +633,15 @@ class ModelRunner:
         batch = bucket(count, self.cache.num_slots) if self.graphs is not None else count
         return self._run_step(count, batch, context)
 
-    def decode_paged(self, tokens: list[int], positions: list[int], tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    def decode_paged(
+        self, tokens: list[int] | torch.Tensor, positions: list[int], tables: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
         """Feed token i at position i of the sequence whose blocks are `tables[i]` (lists or int32 arrays, the
         block of that position already writable: `BlockTables.prepare_write`); returns the logits
-        [len(tokens), vocab]. With CUDA graphs the batch is padded to its bucket by rows of token 0 at
+        [len(tokens), vocab]. `tokens` may be on the device already (the tokens a step in flight samples,
+        decoding one step ahead). With CUDA graphs the batch is padded to its bucket by rows of token 0 at
         position 0 of the scratch block."""
-        count, block_size = len(tokens), self.cache.block_size
+        count, block_size = len(positions), self.cache.block_size
         context = max(positions) + 1
         batch = bucket(count, self.cache.max_sequences) if self.graphs is not None else count
         blocks = -(-context // block_size)
@@ -648,13 +651,22 @@ class ModelRunner:
         table[count:, 0] = self.cache.scratch_block
         written = [int(t[p // block_size]) * block_size + p % block_size for t, p in zip(tables, positions)]
         padding = [0] * (batch - count)
+        on_device = isinstance(tokens, torch.Tensor)
         inputs = torch.tensor(
-            [tokens + padding, positions + padding, written + [self.cache.scratch_block * block_size] * (batch - count)]
+            [
+                [0] * batch if on_device else tokens + padding,
+                positions + padding,
+                written + [self.cache.scratch_block * block_size] * (batch - count),
+            ]
         )
         table = torch.from_numpy(table)
         if self.device.type == "cuda":  # so that the copies do not wait for the device's queued work
             inputs, table = inputs.pin_memory(), table.pin_memory()
-        self.tokens[:batch].copy_(inputs[0], non_blocking=True)
+        if on_device:
+            self.tokens[:count].copy_(tokens)
+            self.tokens[count:batch].zero_()
+        else:
+            self.tokens[:batch].copy_(inputs[0], non_blocking=True)
         self.positions[:batch].copy_(inputs[1], non_blocking=True)
         self.written[:batch].copy_(inputs[2], non_blocking=True)
         self.block_table[:batch, :blocks].copy_(table, non_blocking=True)

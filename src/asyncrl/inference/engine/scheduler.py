@@ -112,6 +112,18 @@ class Scheduler:
             self.version += 1
         return admitted
 
+    def can_admit(self) -> bool:
+        """Whether `admit` would take a waiting sample now: a row is free and, paged, the free blocks hold the
+        first waiting sample's prefill and the batch's headroom."""
+        if len(self.running) >= self.num_slots:
+            return False
+        first = next((sequence for sequence in self.waiting if not sequence.abandoned), None)
+        if first is None or self.blocks is None:
+            return first is not None
+        taken = self.blocks.cost(prefill_length(first), self._cached_prefix(first))
+        spare = len(self.running) + 1 if self.running else 0
+        return self.blocks.pool.num_free >= taken + spare
+
     def _cached_prefix(self, sequence: Sequence) -> list[int]:
         """The registered blocks its prefill may start with (none for a sample that records its experts: the
         cached tokens would have none)."""
@@ -168,6 +180,19 @@ class Scheduler:
             self.preemptions += len(preempted)
             self.version += 1
         return copies, preempted
+
+    def reserve_ahead(self) -> list[BlockCopy] | None:
+        """Paged, decoding one step ahead: make every running sample's position after its newest token's
+        writable (the token that the step in flight samples is fed there), when the free blocks hold it for
+        every sample at once. Returns the block copies to run before the step, or None, having changed nothing,
+        when blocks are short: nobody is preempted ahead of a step that may free blocks (`reserve` decides
+        that, once the step in flight is read)."""
+        assert self.blocks is not None
+        needed = sum(self.blocks.blocks_to_write(sequence, sequence.num_tokens) for sequence in self.running)
+        if needed > self.blocks.pool.num_free:
+            return None
+        copies = [self.blocks.prepare_write(sequence, sequence.num_tokens) for sequence in self.running]
+        return [copy for copy in copies if copy is not None]
 
     def release(self, finished: list[Sequence]) -> list[SlotMove]:
         """Free the KV cache of `finished` (done or abandoned). Slots: keep the others dense, each sample left
