@@ -24,9 +24,10 @@ All cases run one after the other in this one invocation, so they are compared o
 
 `--profile DIR` also writes a torch.profiler Chrome trace of each case's steps `skip` + 2 and `skip` + 3
 (the step after `skip` warms the profiler up): DIR/<mode>_level<L>_replicas<R>/trainer_rank_<r>.json from
-every trainer rank and orchestrator.json, which records every Python call of the orchestrator (the
-`trainer.profile` and `orchestrator.profile` options, docs/trainer.md). Tracing slows those steps, so take
-the figures from a run without it.
+every trainer rank, orchestrator.json, which records every Python call of the orchestrator, and
+inference_<port>.json from every server, over the two policy versions after its first `skip` + 1 weight
+updates (the `trainer.profile`, `orchestrator.profile` and `inference.profile` options, docs/trainer.md).
+Tracing slows those steps, so take the figures from a run without it.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def run_case(args, model: Path, root: Path, level: int, replicas: int, mode: str
     if args.device == "cpu":
         argv += ["--deployment.inference-device", "cpu", "--deployment.trainer-device", "cpu"]
     if args.profile is not None:
-        for process in ("trainer", "orchestrator"):
+        for process in ("trainer", "orchestrator", "inference"):
             argv += [f"--{process}.profile.dir", str(args.profile.resolve() / output_dir.name),
                      f"--{process}.profile.wait", str(args.skip), f"--{process}.profile.warmup", "1",
                      f"--{process}.profile.active", str(PROFILED_STEPS)]  # fmt: skip
@@ -150,8 +151,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per case")
     parser.add_argument("--out", type=Path, default=None, help="also write the figures as JSON here")
     parser.add_argument(
-        "--profile", type=Path, default=None, help="also write torch.profiler traces of each case's trainer and "
-        "orchestrator here, one folder per case (it slows the traced steps)",
+        "--profile", type=Path, default=None, help="also write torch.profiler traces of each case's trainer, "
+        "orchestrator and servers here, one folder per case (it slows the traced steps)",
     )  # fmt: skip
     parser.add_argument("extra", nargs="*", help="more `asyncrl rl` flags for every case, after --")
     args = parser.parse_args()

@@ -1,4 +1,5 @@
-"""A torch.profiler trace of a few steps of a running loop: the trainer's steps, the orchestrator's batches.
+"""A torch.profiler trace of a few steps of a running loop: the trainer's steps, the orchestrator's batches,
+the inference server's policy versions (a step ends when a weight update goes live).
 
 The profiler lets `wait` steps run untraced (start-up, compilation), traces `warmup` steps and throws them
 away (its own start-up costs), then keeps `active` steps in one Chrome trace (open it in Perfetto or
@@ -6,7 +7,8 @@ chrome://tracing). Steps count from the process's start: a resumed run's from it
 checkpoint.
 
 Every thread is traced, not only the loop's: the orchestrator packs and writes batches and runs sync reward
-functions in worker threads, and the trainer writes weight folders in one.
+functions in worker threads, the trainer writes weight folders in one, and the server answers HTTP on others
+than its decoding thread.
 """
 
 from __future__ import annotations

@@ -184,3 +184,10 @@ def test_a_profile_longer_than_the_run_is_refused_and_one_that_fits_is_kept():
         load(RLConfig, ["--max-steps", "4", "--trainer.profile.dir", "traces"])
     cfg, _ = load(RLConfig, ["--max-steps", "5", "--orchestrator.profile.dir", "traces"])
     assert cfg.orchestrator.profile.dir == Path("traces") and cfg.trainer.profile.dir is None
+
+
+def test_the_inference_profile_is_for_the_native_engine():
+    cfg, _ = load(RLConfig, ["--inference.profile.dir", "traces", "--inference.profile.active", "3"])
+    assert cfg.inference.profile.dir == Path("traces") and cfg.inference.profile.active == 3
+    with pytest.raises(ConfigError, match="inference.profile traces the native engine"):
+        load(RLConfig, ["--inference.backend", "vllm", "--inference.profile.dir", "traces"])

@@ -183,6 +183,22 @@ class ProfileConfig(Config):
             )
 
 
+class InferenceProfileConfig(ProfileConfig):
+    """A torch.profiler Chrome trace of an inference server (native backend) over a few policy versions: its
+    steps are the weight updates it applies, so a trace spans whole versions of generation."""
+
+    dir: Path | None = Field(
+        None,
+        description="folder for a torch.profiler Chrome trace of the server over a few policy versions: "
+        "inference_P.json from the server on port P (native backend); unset: no profiling",
+    )
+    wait: int = Field(2, ge=0, description="weight updates first applied untraced (start-up, compilation)")
+    warmup: int = Field(1, ge=0, description="weight updates then traced and thrown away (the profiler's start-up)")
+    active: int = Field(
+        2, ge=1, description="weight updates then kept in the trace (the server's stop writes what it holds)"
+    )
+
+
 class WandbConfig(Config):
     """Weights & Biases: one W&B run per asyncrl run, every process's metrics in it (docs/dashboard.md)."""
 
@@ -430,6 +446,7 @@ class InferenceConfig(Config):
     )
     max_stop_strings: int = Field(16, ge=0, description="most stop strings one request may give")
     max_stop_string_length: int = Field(64, ge=1, description="longest stop string, in characters")
+    profile: InferenceProfileConfig = InferenceProfileConfig()
 
     @field_validator("kv_block_size")
     @classmethod
@@ -444,6 +461,15 @@ class InferenceConfig(Config):
             raise ValueError(
                 "inference.prefix_cache = true keeps KV-cache blocks, which only inference.kv_cache_layout = "
                 "'paged' has (set kv_cache_layout = 'paged', or prefix_cache = false)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _the_profiler_traces_the_native_engine(self) -> InferenceConfig:
+        if self.profile.dir is not None and self.backend != "native":
+            raise ValueError(
+                "inference.profile traces the native engine; a vLLM server has its own profiler "
+                "(VLLM_TORCH_PROFILER_DIR): unset inference.profile.dir"
             )
         return self
 

@@ -73,6 +73,7 @@ from asyncrl.inference.engine.shared_prompts import SharedPrompts
 from asyncrl.inference.kernels import sampling_kernel
 from asyncrl.loading import DTYPES, check_model_name, load_tokenizer, resolve_device
 from asyncrl.models.checkpoint import from_config, in_memory_state_dict, load_native
+from asyncrl.step_profiler import StepProfiler
 from asyncrl.transport.weights import load_state_dict
 
 __all__ = [
@@ -292,6 +293,7 @@ class Engine:
             self.policy_version = version
             origin = "a state dict" if isinstance(source, Mapping) else source
             log.info("policy version %d live (from %s)", version, origin)
+            self._profiler.step()
             return version
 
         return self._command(apply)
@@ -347,6 +349,15 @@ class Engine:
     def _run(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # a new thread starts on cuda:0
+        # Started, stepped and stopped on this thread: its steps are the weight updates it applies.
+        name = f"inference_{self.cfg.port}" if self.cfg.port else "inference"
+        self._profiler = StepProfiler(self.cfg.profile, name, self.device.type)
+        try:
+            self._loop()
+        finally:
+            self._profiler.stop()
+
+    def _loop(self) -> None:
         with torch.inference_mode():
             while True:
                 with self._wakeup:
