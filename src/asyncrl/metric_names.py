@@ -257,6 +257,14 @@ METRICS: list[Metric] = [
         "trainer: wall time of the step, waiting for the batch included; orchestrator: time since the previous "
         "batch was cut",
     ),
+    Metric("batch/micro_batches", T, "micro-batches", "micro-batches each rank trained on in the step"),
+    Metric(
+        "batch/fill",
+        T,
+        "fraction of seq_len",
+        "how full rank 0's packed micro-batches were: their tokens over micro-batches x trainer.seq_len (rows "
+        "are not padded: below 1, micro-batches were packed short of seq_len)",
+    ),
     Metric("time/wait_for_batch", T, "seconds", "wall time waiting for the batch's rollout files"),
     Metric(
         "time/forward_backward",

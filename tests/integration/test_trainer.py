@@ -186,6 +186,7 @@ def test_the_step_time_breaks_down_into_its_parts(trained):
             m["time/step"] - m["time/wait_for_batch"], rel=0.02
         )
         assert m["time/publish_gather"] > 0 and m["time/publish_write"] > 0
+        assert m["batch/micro_batches"] >= 1 and 0 < m["batch/fill"] <= 1
         assert m["time/publish_gather"] + m["time/publish_write"] == pytest.approx(
             m["time/publish"], rel=0.02, abs=1e-3
         )

@@ -248,6 +248,9 @@ def train(cfg: TrainerConfig) -> int:
                     {
                         "grad_norm": grad_norm,
                         "lr": lr,
+                        "batch/micro_batches": len(micro_batches),
+                        "batch/fill": sum(mb.num_tokens for mb in micro_batches)
+                        / max(len(micro_batches) * cfg.seq_len, 1),
                         "perf/tokens_per_s": tokens_per_s,
                         "time/step": train_end - step_start,
                         "time/wait_for_batch": train_start - step_start,
