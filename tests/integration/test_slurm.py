@@ -139,15 +139,22 @@ def tiny_model(tmp_path_factory) -> Path:
     return path
 
 
-def submit(env: dict[str, str], model: Path, run_dir: Path, *extra: str) -> str:
-    """`asyncrl slurm --submit` for a tiny CPU run: node 1 trains, node 2 serves with two servers. The job's own
-    log goes next to the run folder (Slurm's default is the working directory)."""
+def submit(env: dict[str, str], model: Path, run_dir: Path, *extra: str, port: int | None = None) -> str:
+    """`asyncrl slurm --submit` for a tiny CPU run: node 1 trains, node 2 serves with two servers (on `port` and
+    the next; default: a free one). The job's own log goes next to the run folder (Slurm's default is the
+    working directory)."""
+    # Servers on port and port + 1, the trainer's rendezvous on a third: two free_port() calls may return the
+    # same port, and then the server and the rendezvous race for it.
+    port = port or free_port()
+    rendezvous_port = free_port()
+    while rendezvous_port in (port, port + 1):
+        rendezvous_port = free_port()
     argv = [
         "--model.name", str(model), "--output-dir", str(run_dir), "--seq-len", "128", "--orchestrator.batch-size",
         "32", "--orchestrator.group-size", "8", "--orchestrator.sampling.max-tokens", "12",
         "--orchestrator.environments.reverse_text.advantage.std-normalize", "true", "--trainer.optim.lr", "1e-2",
         "--deployment.inference-threads", "1", "--deployment.trainer-threads", "1", "--inference.port",
-        str(free_port()), "--cluster.replicas-per-node", "2", "--cluster.rendezvous-port", str(free_port()),
+        str(port), "--cluster.replicas-per-node", "2", "--cluster.rendezvous-port", str(rendezvous_port),
         "--cluster.slurm.sbatch", f'["--output={run_dir.parent}/slurm-%j.out"]', *extra,
     ]  # fmt: skip
     result = subprocess.run(
@@ -208,3 +215,19 @@ def test_scancel_stops_every_process_of_the_job(slurm, tiny_model, tmp_path):
         return names
 
     wait_until(lambda: not of_this_job(), 60, "every process of the job to end")
+
+
+def test_a_server_that_cannot_start_stops_the_job_and_the_job_says_why(slurm, tiny_model, tmp_path):
+    """Server 0's port is taken: it exits at once, the inference step ends with it (--kill-on-bad-exit), and the
+    job fails within seconds, naming the role, instead of running on without that server."""
+    run_dir = tmp_path / "run"
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        job = submit(slurm, tiny_model, run_dir, "--max-steps", "1000", port=port)
+        wait_until(lambda: job_state(slurm, job) in ("FAILED", "GONE"), 120, "the job to fail")
+    assert "asyncrl: inference exited with code" in (tmp_path / f"slurm-{job}.out").read_text()
+    [server_log] = (run_dir / "logs").glob("inference_0-*.log")
+    assert f"port {port} on 0.0.0.0 is in use" in server_log.read_text()
+    assert trained_steps(run_dir) == 0

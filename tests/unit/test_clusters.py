@@ -148,6 +148,7 @@ def test_the_sbatch_script_asks_for_every_node_and_starts_each_role_with_srun(tm
     assert len(sruns) == 4  # the folder check on every node, inference, trainer, orchestrator
     assert "--nodes=5 --ntasks-per-node=1" in sruns[0]
     assert "--nodes=3 --ntasks-per-node=4" in sruns[1] and "--gpus-per-task=1" in script
+    assert "--kill-on-bad-exit=1" in script  # a server that fails ends its step, and so the job
     assert "--nnodes=2 --nproc-per-node=8" in script and '--node-rank="$SLURM_NODEID"' in script
     assert "--overlap" in sruns[3]
     assert "configs/inference_$SLURM_PROCID.toml" in script
