@@ -58,13 +58,13 @@ def generate(model_dir, decode_ahead: bool = False, **fields) -> tuple[list, Eng
     engine = Engine(config(model_dir, **fields))
     engine.decode_ahead = decode_ahead
     engine.steps_ahead = 0
-    step_ahead = engine._step_ahead_paged
+    decode_ahead_step = engine._decode_paged_ahead
 
-    def counted() -> None:
+    def counted(previous):
         engine.steps_ahead += 1
-        step_ahead()
+        return decode_ahead_step(previous)
 
-    engine._step_ahead_paged = counted
+    engine._decode_paged_ahead = counted
     try:
         futures = [engine.generate(request) for request in requests()]
         return [future.result(TIMEOUT) for future in futures], engine

@@ -457,38 +457,34 @@ class Engine:
     def _step_ahead(self) -> None:
         """Launch the next decoding step from the tokens the step in flight sampled (still on the device),
         then read that step on the host while the new one runs."""
+        previous = self._inflight
         if self.paged:
-            self._step_ahead_paged()
-            return
-        previous = self._take_inflight()
-        logits = self.runner.decode_next(previous.sampled.token_ids, previous.context + 1)
+            logits = self._decode_paged_ahead(previous)
+            if logits is None:  # blocks are short: read the step in flight; the next step decides whom to preempt
+                self._drain()
+                return
+        else:
+            logits = self.runner.decode_next(previous.sampled.token_ids, previous.context + 1)
+        self._take_inflight()
         routed = self._routed(previous.sequences)
         self._inflight = self._launch(
             previous.sequences, logits, self._running_sampling(), previous.context + 1, routed
         )
         self._finish(previous)
 
-    def _step_ahead_paged(self) -> None:
-        """`_step_ahead` in the paged layout: each sample's position after its newest token made writable first
+    def _decode_paged_ahead(self, previous: InflightStep) -> torch.Tensor | None:
+        """The paged layout's step ahead: each sample's position after its newest token made writable first
         (its block tables and written places come from the host, which knows every position without the
-        tokens); where blocks are short, the step in flight is read instead, and the next step decides whom
-        to preempt."""
+        tokens), then the step; None, having launched nothing, where the free blocks do not hold them all."""
         with self._wakeup:
             copies = self.scheduler.reserve_ahead()
         if copies is None:
-            self._drain()
-            return
+            return None
         for copy in copies:
             self.cache.copy_block(copy.source, copy.target)
-        previous = self._take_inflight()
         positions = [sequence.num_tokens for sequence in previous.sequences]
         tables = [self.scheduler.blocks.array(sequence) for sequence in previous.sequences]
-        logits = self.runner.decode_paged(previous.sampled.token_ids, positions, tables)
-        routed = self._routed(previous.sequences)
-        self._inflight = self._launch(
-            previous.sequences, logits, self._running_sampling(), previous.context + 1, routed
-        )
-        self._finish(previous)
+        return self.runner.decode_paged(previous.sampled.token_ids, positions, tables)
 
     def _drain(self) -> None:
         self._finish(self._take_inflight())
