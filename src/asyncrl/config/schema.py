@@ -402,8 +402,9 @@ class InferenceConfig(Config):
     )
     decode_attention: Literal["auto", "triton", "flash", "sdpa"] = Field(
         "auto",
-        description="decoding attention kernel: triton (split-KV), flash (torch's flash attention) or sdpa "
-        "(masked); auto: triton, else flash, on a GPU in half precision, sdpa elsewhere",
+        description="decoding attention kernel: triton (split-KV; named, also for a float32 model on a GPU, "
+        "multiplying in tf32), flash (torch's flash attention) or sdpa (masked); auto: triton, else flash, on a "
+        "GPU in half precision, sdpa elsewhere",
     )
     moe_kernel: Literal["auto", "triton", "grouped_mm"] = Field(
         "auto",

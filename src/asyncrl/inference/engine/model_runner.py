@@ -104,17 +104,18 @@ def decode_attention_kernel(choice: str, device: torch.device, dtype: torch.dtyp
     """The decoding attention kernel for `inference.decode_attention`: "triton" (`kernels/decode_attention.py`),
     "flash" (torch's flash attention, `seqused_k`) or "sdpa" (scaled-dot-product attention under a mask).
     "auto": triton, else flash, on a GPU in half precision; sdpa elsewhere (CPU, or float32, where the others
-    would multiply in lower precision). Under Triton's interpreter "triton" runs on CPU tensors too (tests)."""
+    would multiply in lower precision). Asked for by name, "triton" also takes a float32 model on a GPU (its
+    products in tf32), and under Triton's interpreter CPU tensors too (tests)."""
     gpu_half = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     available = {"triton": gpu_half and TRITON_DECODE, "flash": gpu_half and FLASH_DECODE is not None, "sdpa": True}
     if choice == "auto":
         return next(kernel for kernel, ok in available.items() if ok)
-    available["triton"] = available["triton"] or INTERPRETED
-    if not available[choice]:
-        needs = "triton" if choice == "triton" else "a torch whose flash attention takes seqused_k"
+    if choice == "triton" and not ((device.type == "cuda" and TRITON_DECODE) or INTERPRETED):
+        raise AsyncRLError("inference.decode_attention = 'triton' needs a CUDA GPU and triton (use 'auto')")
+    if choice == "flash" and not available["flash"]:
         raise AsyncRLError(
-            f"inference.decode_attention = '{choice}' needs a CUDA GPU, a float16/bfloat16 model and {needs} "
-            "(use 'auto')"
+            "inference.decode_attention = 'flash' needs a CUDA GPU, a float16/bfloat16 model and a torch whose "
+            "flash attention takes seqused_k (use 'auto')"
         )
     return choice
 
@@ -135,7 +136,7 @@ def paged_attention_kernel(choice: str, resolved: str, cuda_graphs: bool) -> str
     if cuda_graphs and resolved != "triton":
         raise AsyncRLError(
             "inference.kv_cache_layout = 'paged' replays decoding steps as CUDA graphs only with the Triton "
-            "paged kernel, which needs a float16/bfloat16 model and triton (set inference.cuda_graphs = false)"
+            "paged kernel, which needs a CUDA GPU and triton (set inference.cuda_graphs = false)"
         )
     return resolved
 
