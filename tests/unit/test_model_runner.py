@@ -246,6 +246,16 @@ def test_a_decoding_kernel_the_device_lacks_is_refused_with_the_fix():
     assert decode_attention_kernel("auto", torch.device("cpu"), torch.bfloat16) == "sdpa"
 
 
+def test_triton_asked_for_by_name_serves_a_float32_model_on_a_gpu_and_auto_leaves_it_to_sdpa(monkeypatch):
+    monkeypatch.setattr(model_runner, "TRITON_DECODE", True)
+    monkeypatch.setattr(model_runner, "INTERPRETED", False)
+    gpu = torch.device("cuda")  # only named: the choice reads the device's type
+    assert decode_attention_kernel("triton", gpu, torch.float32) == "triton"
+    assert decode_attention_kernel("auto", gpu, torch.float32) == "sdpa"
+    with pytest.raises(AsyncRLError, match="decode_attention = 'triton' needs a CUDA GPU and triton.*use 'auto'"):
+        decode_attention_kernel("triton", torch.device("cpu"), torch.float32)
+
+
 def emulated_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, seqused_k):
     """torch's varlen flash attention forward as the engine calls it (not causal, `seqused_k`), on CPU."""
     assert not causal and dropout == 0.0
