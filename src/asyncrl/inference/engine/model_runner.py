@@ -136,7 +136,8 @@ def paged_attention_kernel(choice: str, resolved: str, cuda_graphs: bool) -> str
     if cuda_graphs and resolved != "triton":
         raise AsyncRLError(
             "inference.kv_cache_layout = 'paged' replays decoding steps as CUDA graphs only with the Triton "
-            "paged kernel, which needs a CUDA GPU and triton (set inference.cuda_graphs = false)"
+            "paged kernel, which needs a CUDA GPU and triton, and which 'auto' leaves out for a float32 model "
+            "(set inference.decode_attention = 'triton', or inference.cuda_graphs = false)"
         )
     return resolved
 
