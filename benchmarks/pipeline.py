@@ -19,6 +19,8 @@ the first `--skip` are left out (start-up, compilation), and over the rest it re
                      max_async_level = 0 run, where the two take turns and never share the hardware
     vs bound         s/step over the sequential bound, train + generate of that run (1.00x: every second
                      of the step is one part working alone; below 1: the parts overlap)
+    predicted        the s/step `asyncrl plan` gives for the case's layout and mode from parts calibrated on the
+                     case itself (`asyncrl plan --calibrate`, docs/clusters.md), and its error against s/step
 
 All cases run one after the other in this one invocation, so they are compared on the same machine.
 
@@ -27,7 +29,8 @@ All cases run one after the other in this one invocation, so they are compared o
 every trainer rank, orchestrator.json, which records every Python call of the orchestrator, and
 inference_<port>.json from every server, over the two policy versions after its first `skip` + 1 weight
 updates (the `trainer.profile`, `orchestrator.profile` and `inference.profile` options, docs/trainer.md).
-Tracing slows those steps, so take the figures from a run without it.
+Tracing slows those steps, so take the figures from a run without it. `--keep DIR` copies each case's
+metrics.jsonl, configs/ and logs/ to DIR/<mode>_level<L>_replicas<R>/, enough for `asyncrl plan --calibrate`.
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ import time
 from pathlib import Path
 
 from shapes import build_model  # benchmarks/, the script's own folder
+
+from asyncrl.errors import AsyncRLError
+from asyncrl.plan.calibrate import calibrate, layout
+from asyncrl.plan.model import predict
 
 HERE = Path(__file__).resolve().parent
 PROFILED_STEPS = 2  # with --profile: traced steps of each case, after `skip` and one to warm the profiler up
@@ -87,7 +94,25 @@ def run_case(args, model: Path, root: Path, level: int, replicas: int, mode: str
             f"case {mode}, level {level}, {replicas} server(s) failed:\n"
             f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         )
-    return summarize(output_dir, args.skip, time.time() - start) | {"level": level, "replicas": replicas, "mode": mode}
+    if args.keep is not None:
+        kept = args.keep / output_dir.name
+        shutil.rmtree(kept, ignore_errors=True)
+        kept.mkdir(parents=True)
+        shutil.copy2(output_dir / "metrics.jsonl", kept)
+        for folder in ("configs", "logs"):
+            shutil.copytree(output_dir / folder, kept / folder)
+    row = summarize(output_dir, args.skip, time.time() - start) | {"level": level, "replicas": replicas, "mode": mode}
+    return row | {"predicted_s": predicted_step(output_dir, args.skip)}
+
+
+def predicted_step(output_dir: Path, skip: int) -> float | None:
+    """`asyncrl plan`'s s/step for the run's own layout and mode, from parts calibrated on the run."""
+    try:
+        parts = calibrate(output_dir, skip)
+    except AsyncRLError as error:
+        print(f"no prediction for {output_dir.name}: {error}", file=sys.stderr)
+        return None
+    return predict(parts, *layout(output_dir), next(iter(parts.publish))).step_s
 
 
 def summarize(output_dir: Path, skip: int, seconds: float) -> dict:
@@ -157,6 +182,9 @@ def main() -> None:
         "--profile", type=Path, default=None, help="also write torch.profiler traces of each case's trainer, "
         "orchestrator and servers here, one folder per case (it slows the traced steps)",
     )  # fmt: skip
+    parser.add_argument(
+        "--keep", type=Path, default=None, help="copy each case's metrics.jsonl, configs/ and logs/ here"
+    )
     parser.add_argument("extra", nargs="*", help="more `asyncrl rl` flags for every case, after --")
     args = parser.parse_args()
     if args.profile is not None and args.skip + 1 + PROFILED_STEPS > args.steps:
@@ -181,7 +209,8 @@ def main() -> None:
     )
     columns = [("weights", 12), ("servers", 8), ("level", 7), ("s/step", 9), ("trained tok/s", 15),
                ("trainer busy", 14), ("inference busy", 16), ("vs sync", 9), ("train", 7), ("generate", 10),
-               ("vs bound", 10), ("dropped", 9), ("cancelled", 11)]  # fmt: skip
+               ("vs bound", 10), ("predicted", 11), ("error", 8), ("dropped", 9),
+               ("cancelled", 11)]  # fmt: skip
     header = "".join(f"{name:>{width}}" for name, width in columns)
     print(header)
     for row in rows:
@@ -195,9 +224,14 @@ def main() -> None:
             if sync
             else f"{'-':>7}{'-':>10}{'-':>10}"
         )
+        predicted = (
+            f"{row['predicted_s']:>11.2f}{row['predicted_s'] / row['s_per_step'] - 1:>+8.0%}"
+            if row["predicted_s"] is not None
+            else f"{'-':>11}{'-':>8}"
+        )
         print(
             f"{row['mode']:>12}{row['replicas']:>8}{row['level']:>7}{row['s_per_step']:>9.2f}{row['tokens_per_s']:>15.0f}"
-            f"{row['trainer_busy']:>14.0%}{row['inference_busy']:>16.0%}{ratio:>9}{parts}"
+            f"{row['trainer_busy']:>14.0%}{row['inference_busy']:>16.0%}{ratio:>9}{parts}{predicted}"
             f"{row['dropped']:>9}{row['cancelled']:>11}"
         )
     by_level = {}

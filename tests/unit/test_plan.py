@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import time
 from pathlib import Path
 
 import pytest
 
 from asyncrl.errors import AsyncRLError
+from asyncrl.plan.calibrate import calibrate
 from asyncrl.plan.model import Parts, Publish, best_splits, load_parts, predict
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plan" / "h200_qwen3_0.6b.json"
@@ -55,6 +58,14 @@ def test_colocated_takes_turns_without_overlap():
     assert p.step_s == pytest.approx(1 + 4000 / 1800 + 0.1 + 0.05 + 0.2) and p.bound == "round trip"
 
 
+def test_colocated_rates_measured_while_sharing_overlap_as_gpus_of_their_own():
+    shared = dataclasses.replace(PARTS, rates_while_colocated=True)
+    p = predict(shared, 2, 2, "colocated")  # G = 1, T + P = 2.222 + 0.1, round trip (3.322 + 0.25) / 2
+    assert p.step_s == pytest.approx(4000 / 1800 + 0.1) and p.bound == "training"
+    sync = predict(dataclasses.replace(shared, max_async_level=0), 2, 2, "colocated")
+    assert sync.step_s == pytest.approx(1 + 4000 / 1800 + 0.1 + 0.05 + 0.2)
+
+
 @pytest.mark.parametrize("gpus", [2, 3, 4, 8, 12])
 def test_search_finds_the_split_a_brute_force_grid_finds(gpus):
     grid = [
@@ -78,3 +89,53 @@ def test_the_example_parts_load_and_a_missing_mode_is_named():
     assert parts.batch_size == 64 and set(parts.publish) == {"filesystem", "broadcast", "colocated"}
     with pytest.raises(AsyncRLError, match="publish.nvlink"):
         predict(parts, 1, 1, "nvlink")
+
+
+def _trainer_bound_run(folder: Path, mode: str) -> None:
+    """A finished run's files at max_async_level 1 where the trainer is the slower side: every batch is cut
+    long before the trainer takes it (queueing), which the handoff D must not count."""
+    (folder / "configs").mkdir(parents=True)
+    (folder / "logs").mkdir()
+    (folder / "configs" / "orchestrator.toml").write_text(
+        f'batch_size = 8\nmax_async_level = 1\ninference_urls = ["http://127.0.0.1:1"]\nnum_trainer_ranks = 1\n'
+        f'[weight_transfer]\nmode = "{mode}"\n'
+    )
+    start, rows, live = 1_800_000_000.0, [], {}
+    for n in range(1, 9):
+        train_start = start + 100 + 1.0 * n + 0.01  # the previous step ended at start + 100 + n
+        train_end = train_start + 0.99
+        live[n] = train_end + 0.03
+        rows.append(
+            {
+                "step": n,
+                "source": "trainer",
+                "time/forward_backward": 0.8,
+                "time/optimizer": 0.1,
+                "time/publish": 0.09,
+                "timestamp/train_start": train_start,
+                "timestamp/train_end": train_end,
+            }
+        )
+    for n in range(1, 9):
+        generate_start = max(live.get(n - 2, start), start + 50 + 0.3 * (n - 1)) + 0.02
+        rows.append({"step": n, "source": "orchestrator", "batch/tokens": 800, "batch/rollouts": 8,
+                     "completion_len/mean": 50.0, "time/step": 0.3, "perf/server/0/tokens_per_s": 2000.0,
+                     "perf/server/0/idle": 0.5, "timestamp/generate_start": generate_start,
+                     "timestamp/generate_end": start + 50 + 0.3 * n})  # fmt: skip
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stamp = lambda t: time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) + f",{round(t % 1 * 1000):03d}"  # noqa: E731
+    (folder / "logs" / "inference.log").write_text(
+        "".join(f"{stamp(t)} INFO asyncrl.inference: policy version {n} live\n" for n, t in live.items())
+    )
+
+
+@pytest.mark.parametrize("mode", ["filesystem", "colocated"])
+def test_calibration_counts_handoffs_from_when_the_trainer_was_free_not_the_batchs_wait_in_the_queue(tmp_path, mode):
+    _trainer_bound_run(tmp_path, mode)
+    parts = calibrate(tmp_path)
+    assert parts.batch_handoff_s == pytest.approx(0.01, abs=1e-6)  # not the ~50 s the batches queued
+    assert parts.dispatch_latency_s == pytest.approx(0.02, abs=2e-3)  # log times have millisecond steps
+    assert parts.publish[mode].load_s == pytest.approx(0.03, abs=2e-3)
+    assert parts.rates_while_colocated == (mode == "colocated")
+    predicted = predict(parts, 1, 1, mode)
+    assert predicted.bound == "training" and predicted.step_s == pytest.approx(0.99, rel=0.01)

@@ -10,9 +10,13 @@ short and long from step to step, and a median of such a series is either):
   the rate is per batch token (rows that dynamic sampling or zero advantages leave out still count);
 - publish: `time/publish` (the trainer held), and W = when the inference log says "policy version N live"
   minus the trainer's `timestamp/train_end` of step N;
-- D = the trainer's `timestamp/train_start` minus the orchestrator's `timestamp/generate_end`;
-- S = batch n's `timestamp/generate_start` minus when version n - L - 1 (the oldest its groups may be
-  sent to) went live.
+- D = the trainer's `timestamp/train_start` minus the later of the orchestrator's `timestamp/generate_end`
+  and the trainer's previous `timestamp/train_end` (a batch that waits for a busy trainer is queueing);
+- S = batch n's `timestamp/generate_start` minus the later of when version n - L - 1 (the oldest its
+  groups may be sent to) went live and batch n - 1's cut.
+
+A colocated run's rates are measured with server and trainer sharing the GPU, so its parts say so
+(`rates_while_colocated`): the model then lets the two overlap, as they did.
 """
 
 from __future__ import annotations
@@ -48,13 +52,18 @@ def measured_step_s(run_dir: Path, skip: int = 2) -> float:
     return (ends[-1] - ends[0]) / (len(ends) - 1)
 
 
-def _steady(run_dir: Path, skip: int) -> tuple[dict[int, dict], dict[int, dict]]:
+def _records(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
+    """Every step's orchestrator batch record and trainer record, by step."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         raise AsyncRLError(f"'{run_dir}' has no metrics.jsonl (give the output_dir of a finished `asyncrl rl` run)")
     rows = read_jsonl(path)
     orchestrator = {r["step"]: r for r in rows if r["source"] == "orchestrator" and "batch/tokens" in r}
-    trainer = {r["step"]: r for r in rows if r["source"] == "trainer"}
+    return orchestrator, {r["step"]: r for r in rows if r["source"] == "trainer"}
+
+
+def _steady(run_dir: Path, skip: int) -> tuple[dict[int, dict], dict[int, dict]]:
+    orchestrator, trainer = _records(run_dir)
     steps = sorted(set(orchestrator) & set(trainer))[skip:]
     if len(steps) < 2:
         raise AsyncRLError(
@@ -82,6 +91,7 @@ def calibrate(run_dir: Path, skip: int = 2) -> Parts:
     replicas, ranks = layout(run_dir)
     orchestrator, trainer = _steady(run_dir, skip)
     steps = list(orchestrator)
+    every_batch, every_step = _records(run_dir)  # the step before the first steady one, for D and S
 
     generated = busy = 0.0
     for o in orchestrator.values():
@@ -96,9 +106,20 @@ def calibrate(run_dir: Path, skip: int = 2) -> Parts:
     live = live_times(run_dir / "logs")
     level = config["max_async_level"]
     loads = [live[n] - trainer[n]["timestamp/train_end"] for n in steps if n in live]
-    handoffs = [trainer[n]["timestamp/train_start"] - orchestrator[n]["timestamp/generate_end"] for n in steps]
+    # A handoff counts from when the trainer could first have started: the batch cut and the previous step
+    # published (at max_async_level >= 1 a batch that waits for a busy trainer is queueing, not handoff).
+    handoffs = [
+        trainer[n]["timestamp/train_start"]
+        - max(orchestrator[n]["timestamp/generate_end"], every_step.get(n - 1, {}).get("timestamp/train_end", 0.0))
+        for n in steps
+    ]
+    # Likewise a dispatch counts from when the batch could first have been sent: its oldest allowed version
+    # live and the previous batch cut.
     dispatches = [
-        orchestrator[n]["timestamp/generate_start"] - live[n - level - 1] for n in steps if n - level - 1 in live
+        orchestrator[n]["timestamp/generate_start"]
+        - max(live[n - level - 1], every_batch.get(n - 1, {}).get("timestamp/generate_end", 0.0))
+        for n in steps
+        if n - level - 1 in live
     ]
     return Parts(
         batch_size=config["batch_size"],
@@ -116,4 +137,5 @@ def calibrate(run_dir: Path, skip: int = 2) -> Parts:
         },
         batch_handoff_s=max(statistics.fmean(handoffs), 0.0),
         dispatch_latency_s=max(statistics.fmean(dispatches), 0.0) if dispatches else 0.0,
+        rates_while_colocated=config["weight_transfer"]["mode"] == "colocated",
     )

@@ -19,7 +19,10 @@ L + 1 steps:
     step = max(G, T + P, (G + T + P + H) / (L + 1))
 
 L = 0 (sync) gives G + T + P + H; at L >= 1 with small handoffs it is max(G, T + P). Colocated
-(inference and trainer share every GPU) they take turns: step = G + T + P + H, with no overlap gain.
+(inference and trainer share every GPU) with rates measured alone, they take turns: step = G + T + P + H,
+with no overlap gain. With rates measured while colocated (`rates_while_colocated`, as calibrating on a
+colocated run gives), the slowdown of each by the other is inside g and t, and the formula of GPUs of
+their own applies with R = K = N.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class Parts:
     batch_handoff_s: float = 0.0  # D
     dispatch_latency_s: float = 0.0  # S
     gpus_per_node: int = 8
+    rates_while_colocated: bool = False  # g and t measured with server and trainer sharing their GPUs
 
     def efficiency(self, ranks: int) -> float:
         return self.efficiency_per_doubling ** math.log2(ranks)
@@ -80,7 +84,7 @@ def predict(parts: Parts, replicas: int, ranks: int, mode: str) -> Prediction:
     trained = parts.batch_size * (parts.prompt_tokens + parts.completion_tokens)
     train = trained / (ranks * parts.trainer_tokens_per_s * parts.efficiency(ranks)) + publish.trainer_s
     round_trip = generate + train + publish.load_s + parts.batch_handoff_s + parts.dispatch_latency_s
-    if mode == "colocated":
+    if mode == "colocated" and not parts.rates_while_colocated:
         step, bound = round_trip, "round trip"
     else:
         terms = {"generation": generate, "training": train, "round trip": round_trip / (parts.max_async_level + 1)}
@@ -142,6 +146,7 @@ def load_parts(path: Path) -> Parts:
             batch_handoff_s=raw.get("batch_handoff_s", 0.0),
             dispatch_latency_s=raw.get("dispatch_latency_s", 0.0),
             gpus_per_node=raw.get("gpus_per_node", 8),
+            rates_while_colocated=raw.get("rates_while_colocated", False),
         )
     except KeyError as error:
         raise AsyncRLError(f"parts file '{path}' has no {error} (examples/plan/ shows every key)") from None
