@@ -45,8 +45,16 @@ def test_async_step_is_the_slower_side_when_handoffs_are_small():
     assert p.step_s == pytest.approx(4000 / 1800 + 0.5) and p.bound == "training"
 
 
+def test_each_side_pays_its_own_handoff_every_step():
+    handoffs = dataclasses.replace(PARTS, publish={"filesystem": Publish(0.5, 0.0)}, batch_handoff_s=0.3)
+    p = predict(handoffs, 4, 2, "filesystem")  # T + P + D = 2.222 + 0.5 + 0.3
+    assert p.step_s == pytest.approx(4000 / 1800 + 0.5 + 0.3) and p.bound == "training"
+    p = predict(dataclasses.replace(handoffs, batch_handoff_s=0.0, dispatch_latency_s=0.4), 1, 4, "filesystem")
+    assert p.step_s == pytest.approx(2 + 0.4) and p.bound == "generation"  # G + S
+
+
 def test_async_step_is_bounded_by_the_round_trip_over_max_async_level_plus_one():
-    p = predict(PARTS, 2, 2, "filesystem")  # G = 1, T + P = 2.722, round trip (1 + 2.722 + 0.5) / 2 = 2.111
+    p = predict(PARTS, 2, 2, "filesystem")  # G = 1, T + P + D = 2.922, round trip (1 + 2.722 + 0.5) / 2 = 2.111
     assert p.bound == "training"
     slow = dataclasses.replace(PARTS, publish={"filesystem": Publish(0.5, 4.0)})
     p = predict(slow, 2, 2, "filesystem")
@@ -60,8 +68,8 @@ def test_colocated_takes_turns_without_overlap():
 
 def test_colocated_rates_measured_while_sharing_overlap_as_gpus_of_their_own():
     shared = dataclasses.replace(PARTS, rates_while_colocated=True)
-    p = predict(shared, 2, 2, "colocated")  # G = 1, T + P = 2.222 + 0.1, round trip (3.322 + 0.25) / 2
-    assert p.step_s == pytest.approx(4000 / 1800 + 0.1) and p.bound == "training"
+    p = predict(shared, 2, 2, "colocated")  # G = 1, T + P + D = 2.222 + 0.1 + 0.2, round trip (3.322 + 0.25) / 2
+    assert p.step_s == pytest.approx(4000 / 1800 + 0.1 + 0.2) and p.bound == "training"
     sync = predict(dataclasses.replace(shared, max_async_level=0), 2, 2, "colocated")
     assert sync.step_s == pytest.approx(1 + 4000 / 1800 + 0.1 + 0.05 + 0.2)
 
@@ -138,4 +146,4 @@ def test_calibration_counts_handoffs_from_when_the_trainer_was_free_not_the_batc
     assert parts.publish[mode].load_s == pytest.approx(0.03, abs=2e-3)
     assert parts.rates_while_colocated == (mode == "colocated")
     predicted = predict(parts, 1, 1, mode)
-    assert predicted.bound == "training" and predicted.step_s == pytest.approx(0.99, rel=0.01)
+    assert predicted.bound == "training" and predicted.step_s == pytest.approx(0.9 + 0.09 + 0.01, rel=1e-3)

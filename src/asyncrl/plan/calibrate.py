@@ -4,8 +4,9 @@ Steady steps only (the first `skip` are start-up). Rates are ratios of sums over
 handoffs are means, since the round trip is their sum (at max_async_level >= 1 they alternate between
 short and long from step to step, and a median of such a series is either):
 
-- engine tokens/s per replica: completion tokens of the batches / the servers' busy seconds
-  (`perf/server/<i>/tokens_per_s` x `time/step` over `(1 - perf/server/<i>/idle)` x `time/step`);
+- engine tokens/s per replica: a replica's share of the batches' generated tokens (`perf/server/<i>/
+  tokens_per_s` x `time/step`, summed over servers, over replicas) / the busiest server's busy seconds
+  (`(1 - perf/server/<i>/idle)` x `time/step`): a batch is done when its busiest server is;
 - trainer tokens/s per rank: `batch/tokens` / (`time/forward_backward` + `time/optimizer`) / ranks, so
   the rate is per batch token (rows that dynamic sampling or zero advantages leave out still count);
 - publish: `time/publish` (the trainer held), and W = when the inference log says "policy version N live"
@@ -93,11 +94,12 @@ def calibrate(run_dir: Path, skip: int = 2) -> Parts:
     steps = list(orchestrator)
     every_batch, every_step = _records(run_dir)  # the step before the first steady one, for D and S
 
+    # A batch is generated when its busiest server is done: the rate per replica is a replica's share of the
+    # batch's tokens over that server's busy seconds, so an uneven split (or servers sharing cores) is in it.
     generated = busy = 0.0
     for o in orchestrator.values():
-        for i in range(replicas):
-            generated += o[f"perf/server/{i}/tokens_per_s"] * o["time/step"]
-            busy += (1 - o[f"perf/server/{i}/idle"]) * o["time/step"]
+        generated += sum(o[f"perf/server/{i}/tokens_per_s"] for i in range(replicas)) * o["time/step"] / replicas
+        busy += max(1 - o[f"perf/server/{i}/idle"] for i in range(replicas)) * o["time/step"]
     batch_tokens = sum(o["batch/tokens"] for o in orchestrator.values())
     completions = sum(o["completion_len/mean"] * o["batch/rollouts"] for o in orchestrator.values())
     rollouts = sum(o["batch/rollouts"] for o in orchestrator.values())

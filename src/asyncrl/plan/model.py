@@ -8,17 +8,20 @@ generated tokens/s each, K trainer ranks of t trained tokens/s each at efficienc
     T = B (p + c) / (K t e(K))         forward, backward and optimizer of one batch
     P                                  the trainer held by publishing the weights
     H = W + D + S                      handoffs: W from the trainer's publish to the new weights live on
-                                       the servers, D from a batch's cut to the trainer starting on it,
-                                       S from new weights live to the first group of the batch they allow
-                                       sent out (the orchestrator learning of them, the engine's queue)
+                                       the servers, D from a batch's cut (or the trainer's previous step,
+                                       if later) to the trainer starting on it, S from new weights live
+                                       (or the previous batch's cut, if later) to the first group of the
+                                       batch they allow sent out (the orchestrator learning of them, the
+                                       engine's queue)
 
 On GPUs of their own, at max_async_level L, batch n + L + 1 can only be generated once version n is
-live, so a step is bounded by each side and by the round trip generate -> train -> publish spread over
-L + 1 steps:
+live, so a step is bounded by each side (with its own handoff: a batch starts S after the one before it
+is cut, the trainer takes a batch D after it is free) and by the round trip generate -> train -> publish
+spread over L + 1 steps:
 
-    step = max(G, T + P, (G + T + P + H) / (L + 1))
+    step = max(G + S, T + P + D, (G + T + P + H) / (L + 1))
 
-L = 0 (sync) gives G + T + P + H; at L >= 1 with small handoffs it is max(G, T + P). Colocated
+L = 0 (sync) gives G + T + P + H; at L >= 1 with small handoffs it is about max(G, T + P). Colocated
 (inference and trainer share every GPU) with rates measured alone, they take turns: step = G + T + P + H,
 with no overlap gain. With rates measured while colocated (`rates_while_colocated`, as calibrating on a
 colocated run gives), the slowdown of each by the other is inside g and t, and the formula of GPUs of
@@ -87,7 +90,11 @@ def predict(parts: Parts, replicas: int, ranks: int, mode: str) -> Prediction:
     if mode == "colocated" and not parts.rates_while_colocated:
         step, bound = round_trip, "round trip"
     else:
-        terms = {"generation": generate, "training": train, "round trip": round_trip / (parts.max_async_level + 1)}
+        terms = {
+            "generation": generate + parts.dispatch_latency_s,  # a batch starts S after the one before is cut
+            "training": train + parts.batch_handoff_s,  # and the trainer takes it D after it is free
+            "round trip": round_trip / (parts.max_async_level + 1),
+        }
         bound = max(terms, key=terms.__getitem__)
         step = terms[bound]
     return Prediction(replicas, ranks, mode, step, trained / step, 1 - train / step, 1 - generate / step, bound)
