@@ -74,6 +74,22 @@ def test_colocated_rates_measured_while_sharing_overlap_as_gpus_of_their_own():
     assert sync.step_s == pytest.approx(1 + 4000 / 1800 + 0.1 + 0.05 + 0.2)
 
 
+def test_step_to_step_variation_keeps_the_sync_sum_and_lengthens_a_balanced_async_step():
+    # One server, one rank: T + P = 4000 / 1000 + 0.5 = 4.5, and G = 1000 / g = 4.5 as well.
+    balanced = dataclasses.replace(PARTS, engine_tokens_per_s=1000 / 4.5, batch_handoff_s=0.0)
+    varied = dataclasses.replace(balanced, generate_cv=0.4, train_cv=0.4)
+    sync, varied_sync = (
+        predict(dataclasses.replace(p, max_async_level=0), 1, 1, "filesystem") for p in (balanced, varied)
+    )
+    assert varied_sync.step_s == pytest.approx(sync.step_s, rel=1e-9)  # L = 0: a sum, so only the means count
+    steady, stalled = predict(balanced, 1, 1, "filesystem"), predict(varied, 1, 1, "filesystem")
+    # The round trip (4.5 + 4.5 + W 0.3) / 2 bounds the mean step; with variation the sides stall each other.
+    assert steady.step_s == pytest.approx(4.65) and 4.65 * 1.05 < stalled.step_s < sync.step_s
+    assert predict(varied, 1, 1, "filesystem").step_s == stalled.step_s  # seeded: the same every time
+    lopsided = dataclasses.replace(varied, engine_tokens_per_s=1000 / 0.5)  # G = 0.5: the trainer never waits
+    assert predict(lopsided, 1, 1, "filesystem").step_s == pytest.approx(4.5, rel=0.01)
+
+
 @pytest.mark.parametrize("gpus", [2, 3, 4, 8, 12])
 def test_search_finds_the_split_a_brute_force_grid_finds(gpus):
     grid = [
@@ -147,3 +163,11 @@ def test_calibration_counts_handoffs_from_when_the_trainer_was_free_not_the_batc
     assert parts.rates_while_colocated == (mode == "colocated")
     predicted = predict(parts, 1, 1, mode)
     assert predicted.bound == "training" and predicted.step_s == pytest.approx(0.9 + 0.09 + 0.01, rel=1e-3)
+
+
+def test_a_parts_file_gives_each_sides_step_to_step_variation(tmp_path):
+    raw = json.loads(EXAMPLE.read_text())
+    raw["engine"]["step_cv"], raw["trainer"]["step_cv"] = 0.3, 0.2
+    (tmp_path / "parts.json").write_text(json.dumps(raw))
+    parts = load_parts(tmp_path / "parts.json")
+    assert (parts.generate_cv, parts.train_cv) == (0.3, 0.2) and load_parts(EXAMPLE).generate_cv == 0.0

@@ -16,6 +16,9 @@ short and long from step to step, and a median of such a series is either):
 - S = batch n's `timestamp/generate_start` minus the later of when version n - L - 1 (the oldest its
   groups may be sent to) went live and batch n - 1's cut.
 
+G's and T's step-to-step variation: the coefficients of variation of the busiest server's busy seconds
+and of forward + backward + optimizer seconds over the steady steps.
+
 A colocated run's rates are measured with server and trainer sharing the GPU, so its parts say so
 (`rates_while_colocated`): the model then lets the two overlap, as they did.
 """
@@ -96,14 +99,17 @@ def calibrate(run_dir: Path, skip: int = 2) -> Parts:
 
     # A batch is generated when its busiest server is done: the rate per replica is a replica's share of the
     # batch's tokens over that server's busy seconds, so an uneven split (or servers sharing cores) is in it.
-    generated = busy = 0.0
+    generated = 0.0
+    generate_s = []  # per step: the busiest server's busy seconds
     for o in orchestrator.values():
         generated += sum(o[f"perf/server/{i}/tokens_per_s"] for i in range(replicas)) * o["time/step"] / replicas
-        busy += max(1 - o[f"perf/server/{i}/idle"] for i in range(replicas)) * o["time/step"]
+        generate_s.append(max(1 - o[f"perf/server/{i}/idle"] for i in range(replicas)) * o["time/step"])
+    busy = sum(generate_s)
+    train_s_per_step = [t["time/forward_backward"] + t["time/optimizer"] for t in trainer.values()]
     batch_tokens = sum(o["batch/tokens"] for o in orchestrator.values())
     completions = sum(o["completion_len/mean"] * o["batch/rollouts"] for o in orchestrator.values())
     rollouts = sum(o["batch/rollouts"] for o in orchestrator.values())
-    train_s = sum(t["time/forward_backward"] + t["time/optimizer"] for t in trainer.values())
+    train_s = sum(train_s_per_step)
 
     live = live_times(run_dir / "logs")
     level = config["max_async_level"]
@@ -140,4 +146,11 @@ def calibrate(run_dir: Path, skip: int = 2) -> Parts:
         batch_handoff_s=max(statistics.fmean(handoffs), 0.0),
         dispatch_latency_s=max(statistics.fmean(dispatches), 0.0) if dispatches else 0.0,
         rates_while_colocated=config["weight_transfer"]["mode"] == "colocated",
+        generate_cv=_cv(generate_s),
+        train_cv=_cv(train_s_per_step),
     )
+
+
+def _cv(values: list[float]) -> float:
+    mean = statistics.fmean(values)
+    return statistics.pstdev(values) / mean if mean > 0 else 0.0

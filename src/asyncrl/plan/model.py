@@ -1,8 +1,9 @@
 """A model of one RL step from measured parts, and the best split of N GPUs between inference and trainer.
 
-It is a model, not a simulation: every part is a mean rate or a fixed latency, and nothing varies from
-step to step. Per step, with B samples of p prompt and c completion tokens, R inference replicas of g
-generated tokens/s each, K trainer ranks of t trained tokens/s each at efficiency e(K) = f ** log2(K):
+Every part is a mean rate or a fixed latency, but G and T may vary from step to step (their coefficients
+of variation, `generate_cv` and `train_cv`). Per step, with B samples of p prompt and c completion tokens,
+R inference replicas of g generated tokens/s each, K trainer ranks of t trained tokens/s each at efficiency
+e(K) = f ** log2(K):
 
     G = B c / (R g)                    generation of one batch
     T = B (p + c) / (K t e(K))         forward, backward and optimizer of one batch
@@ -21,7 +22,12 @@ spread over L + 1 steps:
 
     step = max(G + S, T + P + D, (G + T + P + H) / (L + 1))
 
-L = 0 (sync) gives G + T + P + H; at L >= 1 with small handoffs it is about max(G, T + P). Colocated
+L = 0 (sync) gives G + T + P + H; at L >= 1 with small handoffs it is about max(G, T + P). That max is of
+means: where the sides take about as long and vary, a slow batch on one side stalls the other, and the
+mean step is longer. With a variation given, the step is the mean of the same recurrence run over
+`SIMULATED_STEPS` steps whose G and T are drawn from log-normal distributions of those means and
+coefficients of variation (seeded, so a prediction is reproducible; the draws are scaled to the exact
+means, so at L = 0 the sum is the formula's). Colocated
 (inference and trainer share every GPU) with rates measured alone, they take turns: step = G + T + P + H,
 with no overlap gain. With rates measured while colocated (`rates_while_colocated`, as calibrating on a
 colocated run gives), the slowdown of each by the other is inside g and t, and the formula of GPUs of
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +46,7 @@ from pathlib import Path
 from asyncrl.errors import AsyncRLError
 
 MODES = ("filesystem", "broadcast", "colocated")
+SIMULATED_STEPS = 2000  # steps of the recurrence with variation; the first quarter is left out (filling)
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,8 @@ class Parts:
     dispatch_latency_s: float = 0.0  # S
     gpus_per_node: int = 8
     rates_while_colocated: bool = False  # g and t measured with server and trainer sharing their GPUs
+    generate_cv: float = 0.0  # step-to-step standard deviation of G over its mean
+    train_cv: float = 0.0  # the same of T
 
     def efficiency(self, ranks: int) -> float:
         return self.efficiency_per_doubling ** math.log2(ranks)
@@ -95,9 +105,40 @@ def predict(parts: Parts, replicas: int, ranks: int, mode: str) -> Prediction:
             "training": train + parts.batch_handoff_s,  # and the trainer takes it D after it is free
             "round trip": round_trip / (parts.max_async_level + 1),
         }
-        bound = max(terms, key=terms.__getitem__)
+        bound = max(terms, key=terms.__getitem__)  # the side that bounds it on average
         step = terms[bound]
+        if parts.generate_cv > 0 or parts.train_cv > 0:
+            step = simulated_step(parts, generate, train - publish.trainer_s, publish)
     return Prediction(replicas, ranks, mode, step, trained / step, 1 - train / step, 1 - generate / step, bound)
+
+
+def simulated_step(parts: Parts, generate: float, train: float, publish: Publish) -> float:
+    """The mean step of the recurrence the formula bounds, with G and T varying from step to step:
+    batch n starts S after batch n - 1 is cut and version n - L - 1 is live, the trainer takes it D after
+    it is cut and the trainer is free, and version n is live W after the trainer publishes it."""
+    steps, level, first = SIMULATED_STEPS, parts.max_async_level, SIMULATED_STEPS // 4
+    g = _draws(generate, parts.generate_cv, steps, first + 1, seed=1)
+    t = _draws(train, parts.train_cv, steps, first + 1, seed=2)
+    cut, trained, live = [0.0] * steps, [0.0] * steps, [0.0] * steps
+    for n in range(steps):
+        allowed = live[n - level - 1] if n > level else 0.0
+        cut[n] = max(cut[n - 1] if n else 0.0, allowed) + parts.dispatch_latency_s + g[n]
+        start = max(cut[n], trained[n - 1] if n else 0.0) + parts.batch_handoff_s
+        trained[n] = start + t[n] + publish.trainer_s
+        live[n] = trained[n] + publish.load_s
+    return (trained[-1] - trained[first]) / (steps - 1 - first)
+
+
+def _draws(mean: float, cv: float, count: int, measured_from: int, seed: int) -> list[float]:
+    """`count` log-normal values of coefficient of variation `cv`, scaled so that those from `measured_from`
+    on (the steps the mean step is taken over) have exactly `mean`."""
+    if cv <= 0:
+        return [mean] * count
+    sigma = math.sqrt(math.log(1 + cv * cv))
+    rng = random.Random(seed)
+    values = [rng.lognormvariate(0.0, sigma) for _ in range(count)]
+    scale = mean * (count - measured_from) / sum(values[measured_from:])
+    return [v * scale for v in values]
 
 
 def splits(gpus: int, gpus_per_node: int) -> list[tuple[int, int]]:
@@ -149,6 +190,8 @@ def load_parts(path: Path) -> Parts:
             engine_tokens_per_s=raw["engine"]["tokens_per_s"],
             trainer_tokens_per_s=trainer["tokens_per_s"],
             efficiency_per_doubling=trainer.get("efficiency_per_doubling", 1.0),
+            generate_cv=raw["engine"].get("step_cv", 0.0),
+            train_cv=trainer.get("step_cv", 0.0),
             publish={mode: Publish(p["trainer_s"], p["load_s"]) for mode, p in raw["publish"].items()},
             batch_handoff_s=raw.get("batch_handoff_s", 0.0),
             dispatch_latency_s=raw.get("dispatch_latency_s", 0.0),
