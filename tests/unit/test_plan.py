@@ -11,7 +11,7 @@ import pytest
 
 from asyncrl.errors import AsyncRLError
 from asyncrl.plan.calibrate import calibrate
-from asyncrl.plan.model import Parts, Publish, best_splits, load_parts, predict
+from asyncrl.plan.model import Parts, Publish, best_splits, load_parts, parts_file, predict
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plan" / "h200_qwen3_0.6b.json"
 
@@ -171,3 +171,10 @@ def test_a_parts_file_gives_each_sides_step_to_step_variation(tmp_path):
     (tmp_path / "parts.json").write_text(json.dumps(raw))
     parts = load_parts(tmp_path / "parts.json")
     assert (parts.generate_cv, parts.train_cv) == (0.3, 0.2) and load_parts(EXAMPLE).generate_cv == 0.0
+
+
+def test_calibrated_parts_print_as_a_parts_file_that_loads_back(tmp_path):
+    _trainer_bound_run(tmp_path / "run", "colocated")
+    parts = calibrate(tmp_path / "run")
+    (tmp_path / "parts.json").write_text(json.dumps(parts_file(parts)))
+    assert load_parts(tmp_path / "parts.json") == parts

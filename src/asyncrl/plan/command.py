@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
 from asyncrl.errors import AsyncRLError
 from asyncrl.plan.calibrate import calibrate, layout, measured_step_s
-from asyncrl.plan.model import best_splits, load_parts, predict, table
+from asyncrl.plan.model import best_splits, load_parts, parts_file, predict, table
 
 
 def plan(argv: list[str]) -> int:
@@ -30,7 +29,7 @@ def plan(argv: list[str]) -> int:
     if args.calibrate is not None:
         parts = calibrate(args.calibrate, args.skip)
         mode = next(iter(parts.publish))
-        print(json.dumps(dataclasses.asdict(parts), indent=2))
+        print(json.dumps(parts_file(parts), indent=2))
         run = predict(parts, *layout(args.calibrate), mode)
         print(
             f"this run: predicted {run.step_s:.3f} s/step ({run.bound} bound), "

@@ -173,6 +173,22 @@ def table(predictions: list[Prediction], top: int) -> str:
     return "\n".join(lines)
 
 
+def parts_file(parts: Parts) -> dict:
+    """The parts in the layout of a parts file (what `load_parts` reads back)."""
+    return {
+        "workload": {"batch_size": parts.batch_size, "prompt_tokens": parts.prompt_tokens,
+                     "completion_tokens": parts.completion_tokens, "max_async_level": parts.max_async_level},
+        "engine": {"tokens_per_s": parts.engine_tokens_per_s, "step_cv": parts.generate_cv},
+        "trainer": {"tokens_per_s": parts.trainer_tokens_per_s, "step_cv": parts.train_cv,
+                    "efficiency_per_doubling": parts.efficiency_per_doubling},
+        "publish": {mode: {"trainer_s": p.trainer_s, "load_s": p.load_s} for mode, p in parts.publish.items()},
+        "batch_handoff_s": parts.batch_handoff_s,
+        "dispatch_latency_s": parts.dispatch_latency_s,
+        "gpus_per_node": parts.gpus_per_node,
+        "rates_while_colocated": parts.rates_while_colocated,
+    }  # fmt: skip
+
+
 def load_parts(path: Path) -> Parts:
     """Parts from a JSON or TOML file (examples/plan/h200_qwen3_0.6b.json shows every key)."""
     try:
