@@ -102,17 +102,17 @@ def run_case(args, model: Path, root: Path, level: int, replicas: int, mode: str
         for folder in ("configs", "logs"):
             shutil.copytree(output_dir / folder, kept / folder)
     row = summarize(output_dir, args.skip, time.time() - start) | {"level": level, "replicas": replicas, "mode": mode}
-    return row | {"predicted_s": predicted_step(output_dir, args.skip)}
+    return row | {"predicted_s": predicted_step(output_dir, args.skip, mode)}
 
 
-def predicted_step(output_dir: Path, skip: int) -> float | None:
+def predicted_step(output_dir: Path, skip: int, mode: str) -> float | None:
     """`asyncrl plan`'s s/step for the run's own layout and mode, from parts calibrated on the run."""
     try:
         parts = calibrate(output_dir, skip)
     except AsyncRLError as error:
         print(f"no prediction for {output_dir.name}: {error}", file=sys.stderr)
         return None
-    return predict(parts, *layout(output_dir), next(iter(parts.publish))).step_s
+    return predict(parts, *layout(output_dir), mode).step_s
 
 
 def summarize(output_dir: Path, skip: int, seconds: float) -> dict:

@@ -52,29 +52,26 @@ def live_times(log_dir: Path) -> dict[int, float]:
 def measured_step_s(run_dir: Path, skip: int = 2) -> float:
     """Wall seconds per steady step, from the trainer's `timestamp/train_end`: steadier than the median of
     `time/step`, which at max_async_level >= 1 alternates between steps that wait and steps that do not."""
-    ends = [t["timestamp/train_end"] for t in _steady(run_dir, skip)[1].values()]
+    _, trainer, steps = _steady(run_dir, skip)
+    ends = [trainer[n]["timestamp/train_end"] for n in steps]
     return (ends[-1] - ends[0]) / (len(ends) - 1)
 
 
-def _records(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
-    """Every step's orchestrator batch record and trainer record, by step."""
+def _steady(run_dir: Path, skip: int) -> tuple[dict[int, dict], dict[int, dict], list[int]]:
+    """Every step's orchestrator batch record and trainer record, by step, and the steady steps."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         raise AsyncRLError(f"'{run_dir}' has no metrics.jsonl (give the output_dir of a finished `asyncrl rl` run)")
     rows = read_jsonl(path)
     orchestrator = {r["step"]: r for r in rows if r["source"] == "orchestrator" and "batch/tokens" in r}
-    return orchestrator, {r["step"]: r for r in rows if r["source"] == "trainer"}
-
-
-def _steady(run_dir: Path, skip: int) -> tuple[dict[int, dict], dict[int, dict]]:
-    orchestrator, trainer = _records(run_dir)
+    trainer = {r["step"]: r for r in rows if r["source"] == "trainer"}
     steps = sorted(set(orchestrator) & set(trainer))[skip:]
     if len(steps) < 2:
         raise AsyncRLError(
             f"'{run_dir}' has {len(steps)} step(s) after the first {skip}: calibrating needs 2 at least "
             f"(run it with --max-steps {skip + 3} or more)"
         )
-    return {n: orchestrator[n] for n in steps}, {n: trainer[n] for n in steps}
+    return orchestrator, trainer, steps
 
 
 def layout(run_dir: Path) -> tuple[int, int]:
@@ -93,22 +90,21 @@ def _orchestrator_config(run_dir: Path) -> dict:
 def calibrate(run_dir: Path, skip: int = 2) -> Parts:
     config = _orchestrator_config(run_dir)
     replicas, ranks = layout(run_dir)
-    orchestrator, trainer = _steady(run_dir, skip)
-    steps = list(orchestrator)
-    every_batch, every_step = _records(run_dir)  # the step before the first steady one, for D and S
+    orchestrator, trainer, steps = _steady(run_dir, skip)  # all steps: D and S look at the one before
+    batches = [orchestrator[n] for n in steps]
 
     # A batch is generated when its busiest server is done: the rate per replica is a replica's share of the
     # batch's tokens over that server's busy seconds, so an uneven split (or servers sharing cores) is in it.
     generated = 0.0
     generate_s = []  # per step: the busiest server's busy seconds
-    for o in orchestrator.values():
+    for o in batches:
         generated += sum(o[f"perf/server/{i}/tokens_per_s"] for i in range(replicas)) * o["time/step"] / replicas
         generate_s.append(max(1 - o[f"perf/server/{i}/idle"] for i in range(replicas)) * o["time/step"])
     busy = sum(generate_s)
-    train_s_per_step = [t["time/forward_backward"] + t["time/optimizer"] for t in trainer.values()]
-    batch_tokens = sum(o["batch/tokens"] for o in orchestrator.values())
-    completions = sum(o["completion_len/mean"] * o["batch/rollouts"] for o in orchestrator.values())
-    rollouts = sum(o["batch/rollouts"] for o in orchestrator.values())
+    train_s_per_step = [trainer[n]["time/forward_backward"] + trainer[n]["time/optimizer"] for n in steps]
+    batch_tokens = sum(o["batch/tokens"] for o in batches)
+    completions = sum(o["completion_len/mean"] * o["batch/rollouts"] for o in batches)
+    rollouts = sum(o["batch/rollouts"] for o in batches)
     train_s = sum(train_s_per_step)
 
     live = live_times(run_dir / "logs")
@@ -118,14 +114,14 @@ def calibrate(run_dir: Path, skip: int = 2) -> Parts:
     # published (at max_async_level >= 1 a batch that waits for a busy trainer is queueing, not handoff).
     handoffs = [
         trainer[n]["timestamp/train_start"]
-        - max(orchestrator[n]["timestamp/generate_end"], every_step.get(n - 1, {}).get("timestamp/train_end", 0.0))
+        - max(orchestrator[n]["timestamp/generate_end"], trainer.get(n - 1, {}).get("timestamp/train_end", 0.0))
         for n in steps
     ]
     # Likewise a dispatch counts from when the batch could first have been sent: its oldest allowed version
     # live and the previous batch cut.
     dispatches = [
         orchestrator[n]["timestamp/generate_start"]
-        - max(live[n - level - 1], every_batch.get(n - 1, {}).get("timestamp/generate_end", 0.0))
+        - max(live[n - level - 1], orchestrator.get(n - 1, {}).get("timestamp/generate_end", 0.0))
         for n in steps
         if n - level - 1 in live
     ]
@@ -139,7 +135,7 @@ def calibrate(run_dir: Path, skip: int = 2) -> Parts:
         efficiency_per_doubling=1.0,
         publish={
             config["weight_transfer"]["mode"]: Publish(
-                statistics.fmean(t["time/publish"] for t in trainer.values()),
+                statistics.fmean(trainer[n]["time/publish"] for n in steps),
                 max(statistics.fmean(loads), 0.0) if loads else 0.0,
             )
         },

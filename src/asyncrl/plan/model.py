@@ -95,7 +95,8 @@ def predict(parts: Parts, replicas: int, ranks: int, mode: str) -> Prediction:
     publish = parts.publish[mode]
     generate = parts.batch_size * parts.completion_tokens / (replicas * parts.engine_tokens_per_s)
     trained = parts.batch_size * (parts.prompt_tokens + parts.completion_tokens)
-    train = trained / (ranks * parts.trainer_tokens_per_s * parts.efficiency(ranks)) + publish.trainer_s
+    training = trained / (ranks * parts.trainer_tokens_per_s * parts.efficiency(ranks))  # T
+    train = training + publish.trainer_s
     round_trip = generate + train + publish.load_s + parts.batch_handoff_s + parts.dispatch_latency_s
     if mode == "colocated" and not parts.rates_while_colocated:
         step, bound = round_trip, "round trip"
@@ -108,7 +109,7 @@ def predict(parts: Parts, replicas: int, ranks: int, mode: str) -> Prediction:
         bound = max(terms, key=terms.__getitem__)  # the side that bounds it on average
         step = terms[bound]
         if parts.generate_cv > 0 or parts.train_cv > 0:
-            step = simulated_step(parts, generate, train - publish.trainer_s, publish)
+            step = simulated_step(parts, generate, training, publish)
     return Prediction(replicas, ranks, mode, step, trained / step, 1 - train / step, 1 - generate / step, bound)
 
 
